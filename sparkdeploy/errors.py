@@ -27,3 +27,7 @@ class RemoteError(SparkDeployError):
 
 class TransientRemoteError(RemoteError):
     """A remote failure worth retrying: connection reset, timeout, 5xx."""
+
+
+class EngramError(SparkDeployError):
+    """An Engram config, a safetensors shard or a rank's byte ranges are inconsistent."""
