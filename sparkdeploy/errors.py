@@ -31,3 +31,11 @@ class TransientRemoteError(RemoteError):
 
 class EngramError(SparkDeployError):
     """An Engram config, a safetensors shard or a rank's byte ranges are inconsistent."""
+
+
+class PrefetchError(SparkDeployError):
+    """A repo cannot be put into the NAS HF cache: not found, gated, no space, corrupt on the hub."""
+
+
+class TransientPrefetchError(PrefetchError):
+    """A hub failure worth retrying: connection refused/reset, timeout, 5xx."""
