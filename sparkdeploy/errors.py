@@ -39,3 +39,7 @@ class PrefetchError(SparkDeployError):
 
 class TransientPrefetchError(PrefetchError):
     """A hub failure worth retrying: connection refused/reset, timeout, 5xx."""
+
+
+class LabError(SparkDeployError):
+    """The lab cluster cannot be brought up, inspected or torn down."""
