@@ -43,3 +43,11 @@ class TransientPrefetchError(PrefetchError):
 
 class LabError(SparkDeployError):
     """The lab cluster cannot be brought up, inspected or torn down."""
+
+
+class StagingError(SparkDeployError):
+    """An Engram sparse copy cannot be made or verified on a node."""
+
+
+class ComposeError(SparkDeployError):
+    """A node's composed HF cache (NAS symlinks + local hardlinks) cannot be built."""
