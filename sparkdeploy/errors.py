@@ -51,3 +51,35 @@ class StagingError(SparkDeployError):
 
 class ComposeError(SparkDeployError):
     """A node's composed HF cache (NAS symlinks + local hardlinks) cannot be built."""
+
+
+class BootFailed(SparkDeployError):
+    """An engine did not become ready: a fatal log line, a container exit, or the timeout.
+
+    `kind` is the failure marker's name or one of oom_killed, container_exited, timeout,
+    served_name_mismatch; `excerpt` holds the quoted log lines.
+    """
+
+    def __init__(self, message: str, *, node: str, kind: str, cause: str, excerpt: list[str]):
+        super().__init__(message)
+        self.node = node
+        self.kind = kind
+        self.cause = cause
+        self.excerpt = excerpt
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Prefect pickles exceptions; the default reduce would call __init__(message) alone.
+        return (
+            _rebuild_boot_failed,
+            (str(self), self.node, self.kind, self.cause, self.excerpt),
+        )
+
+
+def _rebuild_boot_failed(
+    message: str, node: str, kind: str, cause: str, excerpt: list[str]
+) -> BootFailed:
+    return BootFailed(message, node=node, kind=kind, cause=cause, excerpt=excerpt)
+
+
+class SmokeFailed(SparkDeployError):
+    """The endpoint answered, but badly: at least one smoke check failed (named in the message)."""
