@@ -1,0 +1,602 @@
+"""The Engram sparse copy, as it runs ON a node (standard library + two shipped modules).
+
+sparkdeploy.staging ships this module with sparkdeploy.engram and sparkdeploy.node_hfcache (see
+sparkdeploy.node_script) and calls `main(["inspect" | "stage", request_json])`. It prints JSON
+progress lines on stderr and one JSON result line on stdout; a deliberate failure exits
+FAILED_EXIT with {"ok": false, "kind": ..., "message": ...}.
+
+The copy: a file of the shard's full size holding the header and this node's ranks' row ranges at
+their original offsets, holes elsewhere. It is written to DEST.partial in fixed-size chunks (a
+reader, a writer and a verifier thread, each with its own buffers, so memory stays bounded), each
+chunk fdatasync'ed and then dropped from the page cache on both sides (unified memory: cached
+copy pages compete with the GPU). A journal records how far the durable part reaches, so an
+interrupted copy resumes there. Every range's sha256 from the source is compared with the sha256
+read back from the destination disk, the file's data extents are checked against the ranges, and
+only then is DEST.partial renamed to DEST and DEST.manifest.json written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sparkdeploy.engram import (
+    HEADER_LENGTH_BYTES,
+    EngramError,
+    EngramGeometry,
+    engram_tables,
+    merge_ranges,
+    rank_byte_ranges,
+    read_safetensors_header,
+    weight_tensor_name,
+)
+from sparkdeploy.node_hfcache import SnapshotNotFound, resolve_snapshot
+
+FORMAT_VERSION = 1
+MIB = 1024 * 1024
+DEFAULT_CHUNK_BYTES = 16 * MIB
+# Read buffers in flight between the reader and the writer; the verifier has one more.
+READ_BUFFERS = 3
+FAILED_EXIT = 3
+PROGRESS_INTERVAL_S = 1.0
+QUEUE_POLL_S = 0.2
+PARTIAL_SUFFIX = ".partial"
+JOURNAL_SUFFIX = ".partial.journal.json"
+MANIFEST_SUFFIX = ".manifest.json"
+
+T = TypeVar("T")
+Progress = Callable[[int, int], None]
+
+
+class StagingFailure(Exception):
+    """A deliberate failure: `kind` tells the host which case it is, the message the fix."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class _Aborted(Exception):
+    """Another pipeline thread failed; this one stops quietly."""
+
+
+@dataclass(frozen=True)
+class Request:
+    nas_hf_cache: str
+    repo: str
+    revision: str | None
+    filename: str
+    dest: str
+    ranks: tuple[int, ...]
+    tp_size: int
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # Fault injection for tests: fail as if killed after writing this many chunks in this run.
+    stop_after_chunks: int | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Request:
+        return cls(
+            nas_hf_cache=data["nas_hf_cache"],
+            repo=data["repo"],
+            revision=data.get("revision"),
+            filename=data["filename"],
+            dest=data["dest"],
+            ranks=tuple(sorted(data["ranks"])),
+            tp_size=data["tp_size"],
+            chunk_bytes=data.get("chunk_bytes", DEFAULT_CHUNK_BYTES),
+            stop_after_chunks=data.get("stop_after_chunks"),
+        )
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """What DEST must hold: `key` is everything a manifest must match for a copy to be reused."""
+
+    request: Request
+    source: str
+    size: int
+    header_bytes: int
+    ranges: list[tuple[int, int]]
+    rows: list[dict[str, Any]]
+    key: dict[str, Any]
+
+    @property
+    def copy_bytes(self) -> int:
+        return sum(end - begin for begin, end in self.ranges)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    range_index: int
+    offset: int
+    length: int
+    # Bytes of the whole copy up to the end of this chunk (the journal's unit).
+    copied_through: int
+
+
+def plan_copy(request: Request) -> CopyPlan:
+    """Resolve the source shard and compute the ranges; every check that needs no copying."""
+    try:
+        commit, snapshot = resolve_snapshot(request.nas_hf_cache, request.repo, request.revision)
+    except SnapshotNotFound as exc:
+        raise StagingFailure("missing_source", str(exc)) from None
+    entry = os.path.join(snapshot, request.filename)
+    source = os.path.realpath(entry)
+    if not os.path.isfile(source):
+        raise StagingFailure(
+            "missing_source",
+            f"source shard {entry} is missing from {request.repo}@{commit} in the NAS HF cache "
+            "(or its blob is gone); check the recipe's local_files name, or run the prefetch "
+            "step for this repo",
+        )
+    stat = os.stat(source)
+    try:
+        header_len, tensors, _metadata = read_safetensors_header(source)
+    except EngramError as exc:
+        raise StagingFailure("bad_header", f"source shard {entry}: {exc}") from None
+    geometry = _read_geometry(os.path.join(snapshot, "config.json"), entry)
+    try:
+        tables = engram_tables(tensors, geometry)
+        if not tables:
+            expected = ", ".join(weight_tensor_name(layer) for layer in geometry.layer_ids)
+            raise EngramError(
+                f"none of the Engram tables ({expected}) is in this shard; the recipe's local "
+                "file is not an Engram shard of this model"
+            )
+        engram_ranges = rank_byte_ranges(tensors, geometry, request.ranks, request.tp_size)
+        rows = [
+            {
+                "layer_id": geometry.layer_ids[layer_pos],
+                "rank": rank,
+                "rows": list(geometry.rank_rows(layer_pos, rank, request.tp_size)),
+            }
+            for layer_pos, _weight, _scale in tables
+            for rank in request.ranks
+        ]
+    except EngramError as exc:
+        raise StagingFailure("geometry", f"source shard {entry}: {exc}") from None
+    ranges = merge_ranges([(0, HEADER_LENGTH_BYTES + header_len), *engram_ranges])
+    identity = {
+        "repo": request.repo,
+        "revision": request.revision,
+        "commit": commit,
+        "filename": request.filename,
+        "path": source,
+        "blob": os.path.basename(source),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+    }
+    key = {
+        "format_version": FORMAT_VERSION,
+        "source": identity,
+        "ranks": list(request.ranks),
+        "tp_size": request.tp_size,
+        "ranges": [[begin, end] for begin, end in ranges],
+    }
+    return CopyPlan(
+        request=request,
+        source=source,
+        size=stat.st_size,
+        header_bytes=HEADER_LENGTH_BYTES + header_len,
+        ranges=ranges,
+        rows=rows,
+        key=key,
+    )
+
+
+def _read_geometry(config_path: str, entry: str) -> EngramGeometry:
+    try:
+        with open(config_path, encoding="utf-8") as config_file:
+            config = json.load(config_file)
+    except FileNotFoundError:
+        raise StagingFailure(
+            "missing_source",
+            f"{config_path} is missing beside {entry}; run the prefetch step for this repo",
+        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StagingFailure(
+            "bad_header", f"{config_path} is not JSON ({exc}); run the prefetch step again"
+        ) from None
+    try:
+        geometry = EngramGeometry.from_config(config)
+    except EngramError as exc:
+        raise StagingFailure("geometry", f"{config_path}: {exc}") from None
+    if geometry is None:
+        raise StagingFailure(
+            "geometry",
+            f"{config_path} has no engram_* keys, so {entry} cannot be an Engram shard of this "
+            "model; remove it from the recipe's local_files or fix the repo",
+        )
+    return geometry
+
+
+def find_reusable(plan: CopyPlan) -> dict[str, Any] | None:
+    """The manifest of a verified copy that matches the plan, trusting DEST's size and mtime."""
+    dest = plan.request.dest
+    manifest = _read_json(dest + MANIFEST_SUFFIX)
+    if manifest is None or {name: manifest.get(name) for name in plan.key} != plan.key:
+        return None
+    try:
+        stat = os.stat(dest)
+    except FileNotFoundError:
+        return None
+    recorded = manifest.get("dest", {})
+    if (stat.st_size, stat.st_mtime_ns) != (recorded.get("size"), recorded.get("mtime_ns")):
+        return None
+    return manifest
+
+
+def resume_point(plan: CopyPlan) -> int:
+    """Bytes of the copy already durable in DEST.partial (0: start afresh)."""
+    dest = plan.request.dest
+    journal = _read_json(dest + JOURNAL_SUFFIX)
+    if journal is None or journal.get("key") != plan.key:
+        return 0
+    try:
+        if os.stat(dest + PARTIAL_SUFFIX).st_size != plan.size:
+            return 0
+    except FileNotFoundError:
+        return 0
+    return int(journal["copied_through"])
+
+
+def check_space(plan: CopyPlan, resume_from: int) -> None:
+    directory = os.path.dirname(plan.request.dest)
+    probe = directory
+    while not os.path.isdir(probe):
+        probe = os.path.dirname(probe)
+    fs = os.statvfs(probe)
+    free = fs.f_bavail * fs.f_frsize
+    # Each range may straddle one extra block at either end.
+    needed = plan.copy_bytes - resume_from + 2 * len(plan.ranges) * fs.f_frsize
+    if needed > free:
+        raise StagingFailure(
+            "no_space",
+            f"{probe} has {free / 1e9:.2f} GB free but the sparse copy of "
+            f"{plan.request.filename} for ranks {list(plan.request.ranks)} needs "
+            f"{needed / 1e9:.2f} GB more; free space there or point engram_root at a bigger disk",
+        )
+
+
+def inspect(request: Request) -> dict[str, Any]:
+    """The "skipped" result if a verified copy is there, else how many bytes remain to copy."""
+    started = time.monotonic()
+    plan = plan_copy(request)
+    manifest = find_reusable(plan)
+    if manifest is not None:
+        return {"skipped": _result(plan, "skipped", manifest, copied=0, started=started)}
+    resume_from = resume_point(plan)
+    check_space(plan, resume_from)
+    return {"remaining_bytes": plan.copy_bytes - resume_from}
+
+
+def stage(request: Request, progress: Progress) -> dict[str, Any]:
+    started = time.monotonic()
+    plan = plan_copy(request)
+    manifest = find_reusable(plan)
+    if manifest is not None:
+        return _result(plan, "skipped", manifest, copied=0, started=started)
+    dest = request.dest
+    partial = dest + PARTIAL_SUFFIX
+    resume_from = resume_point(plan)
+    check_space(plan, resume_from)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    if resume_from == 0:
+        _remove(dest + JOURNAL_SUFFIX)
+        _remove(partial)
+    src_fd = os.open(plan.source, os.O_RDONLY)
+    dst_fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(dst_fd, plan.size)
+        source_sums, dest_sums, copied = _copy_and_verify(
+            plan, src_fd, dst_fd, resume_from, progress
+        )
+        for (begin, end), source_sum, dest_sum in zip(
+            plan.ranges, source_sums, dest_sums, strict=True
+        ):
+            if source_sum != dest_sum:
+                _remove(dest + JOURNAL_SUFFIX)
+                raise StagingFailure(
+                    "verify_failed",
+                    f"{partial}: bytes [{begin}, {end}) read back with sha256 {dest_sum}, the "
+                    f"source {plan.source} has {source_sum}; the local disk is failing or the "
+                    "source changed during the copy; the next run starts the copy afresh",
+                )
+        holes_checked = _check_extents(dst_fd, plan, partial)
+        os.fsync(dst_fd)
+    finally:
+        os.close(src_fd)
+        os.close(dst_fd)
+    os.replace(partial, dest)
+    stat = os.stat(dest)
+    manifest = {
+        **plan.key,
+        "range_sha256": source_sums,
+        "header_bytes": plan.header_bytes,
+        "rows": plan.rows,
+        "holes_checked": holes_checked,
+        "dest": {"path": dest, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns},
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    _write_json(dest + MANIFEST_SUFFIX, manifest)
+    _remove(dest + JOURNAL_SUFFIX)
+    _fsync_dir(os.path.dirname(dest))
+    status = "resumed" if resume_from else "copied"
+    return _result(plan, status, manifest, copied=copied, started=started)
+
+
+def _result(
+    plan: CopyPlan, status: str, manifest: dict[str, Any], *, copied: int, started: float
+) -> dict[str, Any]:
+    stat = os.stat(plan.request.dest)
+    return {
+        "status": status,
+        "dest": plan.request.dest,
+        "source": plan.source,
+        "size": plan.size,
+        "ranks": list(plan.request.ranks),
+        "tp_size": plan.request.tp_size,
+        "header_bytes": plan.header_bytes,
+        "share_bytes": plan.copy_bytes - plan.header_bytes,
+        "copied_bytes": copied,
+        "allocated_bytes": stat.st_blocks * 512,
+        "ranges": manifest["ranges"],
+        "range_sha256": manifest["range_sha256"],
+        "holes_checked": manifest["holes_checked"],
+        "seconds": round(time.monotonic() - started, 3),
+    }
+
+
+def iter_chunks(ranges: Sequence[tuple[int, int]], chunk_bytes: int) -> Iterator[Chunk]:
+    copied_through = 0
+    for index, (begin, end) in enumerate(ranges):
+        for offset in range(begin, end, chunk_bytes):
+            length = min(chunk_bytes, end - offset)
+            copied_through += length
+            yield Chunk(index, offset, length, copied_through)
+
+
+def _copy_and_verify(
+    plan: CopyPlan, src_fd: int, dst_fd: int, resume_from: int, progress: Progress
+) -> tuple[list[str], list[str], int]:
+    """Copy the chunks past resume_from; hash every range from the source and from DEST's disk.
+
+    Returns (source sha256 per range, read-back sha256 per range, bytes written this run).
+    """
+    request = plan.request
+    source_hashes = [hashlib.sha256() for _ in plan.ranges]
+    dest_hashes = [hashlib.sha256() for _ in plan.ranges]
+    free_buffers: queue.Queue[bytearray] = queue.Queue()
+    for _ in range(READ_BUFFERS):
+        free_buffers.put(bytearray(request.chunk_bytes))
+    to_write: queue.Queue[tuple[Chunk, bytearray] | None] = queue.Queue()
+    to_verify: queue.Queue[Chunk | None] = queue.Queue()
+    abort = threading.Event()
+    failures: list[BaseException] = []
+    copied = 0
+    total = plan.copy_bytes
+
+    def take(source: queue.Queue[T]) -> T:
+        while True:
+            if abort.is_set():
+                raise _Aborted
+            try:
+                return source.get(timeout=QUEUE_POLL_S)
+            except queue.Empty:
+                continue
+
+    def write_chunks() -> None:
+        nonlocal copied
+        written_chunks = 0
+        while (item := take(to_write)) is not None:
+            chunk, buffer = item
+            if chunk.copied_through > resume_from:
+                _pwrite_all(dst_fd, memoryview(buffer)[: chunk.length], chunk.offset)
+                os.fdatasync(dst_fd)
+                os.posix_fadvise(dst_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
+                _write_json(
+                    request.dest + JOURNAL_SUFFIX,
+                    {"key": plan.key, "copied_through": chunk.copied_through},
+                )
+                copied += chunk.length
+                written_chunks += 1
+                stop_after = request.stop_after_chunks
+                if stop_after is not None and written_chunks >= stop_after:
+                    raise StagingFailure(
+                        "interrupted",
+                        f"stopped on request after {written_chunks} chunks "
+                        f"({chunk.copied_through} of {total} bytes durable)",
+                    )
+            free_buffers.put(buffer)
+            to_verify.put(chunk)
+        to_verify.put(None)
+
+    def verify_chunks() -> None:
+        view = memoryview(bytearray(request.chunk_bytes))
+        last_report = 0.0
+        while (chunk := take(to_verify)) is not None:
+            data = view[: chunk.length]
+            _pread_exact(dst_fd, data, chunk.offset, request.dest + PARTIAL_SUFFIX)
+            dest_hashes[chunk.range_index].update(data)
+            os.posix_fadvise(dst_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_INTERVAL_S:
+                progress(chunk.copied_through, total)
+                last_report = now
+        progress(total, total)
+
+    def guarded(body: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                body()
+            except _Aborted:
+                pass
+            except BaseException as exc:
+                failures.append(exc)
+                abort.set()
+
+        return run
+
+    threads = [
+        threading.Thread(target=guarded(write_chunks), name="staging-writer", daemon=True),
+        threading.Thread(target=guarded(verify_chunks), name="staging-verifier", daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+
+    def read_chunks() -> None:
+        for chunk in iter_chunks(plan.ranges, request.chunk_bytes):
+            buffer = take(free_buffers)
+            data = memoryview(buffer)[: chunk.length]
+            _pread_exact(src_fd, data, chunk.offset, plan.source)
+            os.posix_fadvise(src_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
+            source_hashes[chunk.range_index].update(data)
+            to_write.put((chunk, buffer))
+        to_write.put(None)
+
+    guarded(read_chunks)()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return (
+        [digest.hexdigest() for digest in source_hashes],
+        [digest.hexdigest() for digest in dest_hashes],
+        copied,
+    )
+
+
+def _pread_exact(fd: int, data: memoryview, offset: int, path: str) -> None:
+    got = 0
+    while got < len(data):
+        count = os.preadv(fd, [data[got:]], offset + got)
+        if count == 0:
+            raise StagingFailure(
+                "io",
+                f"{path} ended at byte {offset + got} while reading [{offset}, "
+                f"{offset + len(data)}); the file changed during the copy, run the step again",
+            )
+        got += count
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _check_extents(fd: int, plan: CopyPlan, path: str) -> bool:
+    """Data exactly where the ranges are (to the block), holes elsewhere.
+
+    False when the filesystem does not report holes (SEEK_DATA unsupported, or the whole file
+    reported as data although it is allocated sparsely).
+    """
+    block = os.fstat(fd).st_blksize
+    extents: list[tuple[int, int]] = []
+    position = 0
+    while position < plan.size:
+        try:
+            start = os.lseek(fd, position, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                break
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return False
+            raise
+        position = os.lseek(fd, start, os.SEEK_HOLE)
+        extents.append((start, position))
+    allocated = os.fstat(fd).st_blocks * 512
+    if extents == [(0, plan.size)] and merge_ranges(plan.ranges) != [(0, plan.size)]:
+        if allocated < plan.size:
+            return False
+        raise StagingFailure(
+            "not_sparse",
+            f"{path}: the filesystem allocated all {plan.size} bytes of the sparse copy; it "
+            "does not keep holes, so each rank would cost the full shard; put engram_root on "
+            "a filesystem with sparse files (ext4, xfs, btrfs)",
+        )
+    allowed = merge_ranges(
+        (begin // block * block, -(-end // block) * block) for begin, end in plan.ranges
+    )
+    for start, end in extents:
+        if not any(low <= start and end <= high for low, high in allowed):
+            raise StagingFailure(
+                "verify_failed",
+                f"{path}: data at [{start}, {end}) outside this rank's ranges; "
+                "the next run starts the copy afresh",
+            )
+    for begin, end in plan.ranges:
+        if not any(start <= begin and end <= stop for start, stop in extents):
+            raise StagingFailure(
+                "verify_failed",
+                f"{path}: range [{begin}, {end}) is not all data; the next run starts afresh",
+            )
+    return True
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as json_file:
+            data = json.load(json_file)
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    temporary = path + ".tmp"
+    with open(temporary, "w", encoding="utf-8") as json_file:
+        json.dump(data, json_file, indent=1)
+    os.replace(temporary, path)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _report_progress(done: int, total: int) -> None:
+    print(json.dumps({"progress": {"done": done, "total": total}}), file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str]) -> int:
+    mode, request_json = argv
+    request = Request.from_json(json.loads(request_json))
+    try:
+        if mode == "inspect":
+            result = inspect(request)
+        elif mode == "stage":
+            result = stage(request, _report_progress)
+        else:
+            raise StagingFailure("usage", f"unknown mode {mode!r}; use inspect or stage")
+    except StagingFailure as failure:
+        print(json.dumps({"ok": False, "kind": failure.kind, "message": str(failure)}))
+        return FAILED_EXIT
+    except OSError as exc:
+        message = f"{exc.filename or request.dest}: {exc.strerror or exc}"
+        print(json.dumps({"ok": False, "kind": "io", "message": message}))
+        return FAILED_EXIT
+    print(json.dumps({"ok": True, "result": result}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
