@@ -1,0 +1,90 @@
+"""Plain HTTP to an engine's OpenAI-compatible API: stdlib, real timeouts, never a proxy.
+
+http.client rather than urllib: urllib honours http_proxy from the environment, and a proxy
+between the flow host and a node's fabric address would make every probe lie.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+
+@dataclass(frozen=True)
+class HttpReply:
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    connection_class = (
+        http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    )
+    connection = connection_class(parts.hostname, parts.port, timeout=timeout)
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    return connection, path
+
+
+def request(method: str, url: str, *, timeout: float, json_body: Any | None = None) -> HttpReply:
+    """One request; OSError (refused, reset, timed out) and HTTPException propagate."""
+    connection, path = _connection(url, timeout)
+    try:
+        body = None if json_body is None else json.dumps(json_body).encode()
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        return HttpReply(response.status, response.read())
+    finally:
+        connection.close()
+
+
+def stream_events(
+    url: str, json_body: Any, *, timeout: float
+) -> Iterator[tuple[float, dict[str, Any]]]:
+    """POST and yield (monotonic arrival time, event) for each server-sent `data:` JSON event.
+
+    `timeout` bounds every socket read and the whole stream. A non-200 reply raises
+    http.client.HTTPException with the status and the start of the body.
+    """
+    deadline = time.monotonic() + timeout
+    connection, path = _connection(url, timeout)
+    try:
+        connection.request(
+            "POST",
+            path,
+            body=json.dumps(json_body).encode(),
+            headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+        )
+        response = connection.getresponse()
+        if response.status != 200:
+            raise http.client.HTTPException(
+                f"HTTP {response.status} from {url}: {response.read(500)!r}"
+            )
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stream from {url} still open after {timeout} s")
+            raw = response.readline()
+            if not raw:
+                return
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[len(b"data:") :].strip()
+            if data == b"[DONE]":
+                return
+            yield time.monotonic(), json.loads(data)
+    finally:
+        connection.close()

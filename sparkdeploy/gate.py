@@ -1,0 +1,447 @@
+"""The readiness gate: follow every container's log at once, decide ready or why not.
+
+Whoever follows the logs (`docker logs -f` over SSH, a local process in tests) puts LogLine
+events, and a ContainerExited event once a container has stopped, on one queue.Queue;
+`follow_lines` does that for any iterable of lines. The gate consumes the queue:
+
+    gate = ReadinessGate(head="node1", workers=["node2", "node3"])
+    result = gate.wait(events, endpoint="http://10.77.0.11:8000", served_model_name="dsv41",
+                       timeout_s=600)
+
+Ready = every boot marker seen on the head, every worker marker seen on each worker, then
+GET /health 200 and GET /v1/models listing the served name (polled every 0.2 s once the markers
+are in; connection refused while the engine loads is normal). Any failure marker, any container
+exit, the timeout, or a wrong served name raises errors.BootFailed at once, naming the node and
+the cause and quoting the log lines around it. `gate.timeline` (markers, node, seconds since the
+start, parsed figures) is there after a failure too.
+"""
+
+from __future__ import annotations
+
+import http.client
+import queue
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from sparkdeploy import engine_http
+from sparkdeploy.errors import BootFailed
+from sparkdeploy.vllm_markers import (
+    DEFAULT_BOOT_MARKERS,
+    DEFAULT_FAILURE_MARKERS,
+    FAILURE_HINTS,
+    HEADLESS_WORKER_JOINED,
+    ROOT_CAUSE_ABOVE,
+    MarkerLike,
+)
+
+OOM_KILLED_EXIT_CODE = 137
+LINES_KEPT_PER_NODE = 400
+LINES_BEFORE = 8
+LINES_AFTER = 6
+# After a fatal line, wait this long for the lines that follow it (the rest of a traceback)
+# before raising; well inside the 2 s the gate has to report a failure.
+TRAILING_LINES_GRACE_S = 0.3
+_MAX_QUOTED_LINE = 400
+
+# "(EngineCore_DP0 pid=12) ERROR 09-18 12:00:00 [core.py:708] " and uvicorn's "INFO:     ".
+_VLLM_PREFIX = re.compile(
+    r"^(?:\([\w.-]+ pid=\d+\)\s+)?"
+    r"(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s+"
+    r"|(?:INFO|WARNING|ERROR):\s+)?"
+)
+_EXCEPTION_LINE = re.compile(
+    r"(?:^|[\s\]>|])(?P<text>(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt): .*)$"
+)
+
+
+@dataclass(frozen=True)
+class LogLine:
+    node: str
+    line: str
+    t: float  # time.monotonic() when the line was read
+
+
+@dataclass(frozen=True)
+class ContainerExited:
+    node: str
+    exit_code: int
+    t: float
+
+
+GateEvent = LogLine | ContainerExited
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    marker: str
+    node: str
+    seconds: float  # since the gate's start
+    figures: dict[str, float]
+    line: str
+
+
+@dataclass(frozen=True)
+class GateResult:
+    ready_after_s: float
+    timeline: list[TimelineEntry]
+    figures: dict[str, float]  # the head's parsed figures, e.g. kv_cache_tokens
+
+
+@dataclass(frozen=True)
+class Failure:
+    node: str
+    kind: str
+    cause: str
+    excerpt: list[str]
+
+    def to_error(self, seconds: float) -> BootFailed:
+        quoted = "\n".join(f"  | {line}" for line in self.excerpt)
+        hint = FAILURE_HINTS.get(self.kind, FAILURE_HINTS["container_exited"])
+        message = (
+            f"boot failed on {self.node} after {seconds:.1f} s: {self.cause}\n"
+            f"log of {self.node}:\n{quoted}\nfix: {hint}"
+        )
+        return BootFailed(
+            message, node=self.node, kind=self.kind, cause=self.cause, excerpt=self.excerpt
+        )
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    ready: bool
+    detail: str
+    served_names: list[str] | None = None  # what /v1/models listed, once it answered
+
+
+def strip_log_prefix(line: str) -> str:
+    return _VLLM_PREFIX.sub("", line, count=1).strip()
+
+
+def _quote(line: str) -> str:
+    return line if len(line) <= _MAX_QUOTED_LINE else line[:_MAX_QUOTED_LINE] + " ..."
+
+
+def parse_figures(match: re.Match[str]) -> dict[str, float]:
+    return {
+        name: float(value.replace(",", ""))
+        for name, value in match.groupdict().items()
+        if value is not None
+    }
+
+
+def find_root_cause(lines: Sequence[str]) -> int | None:
+    """Index of the last exception line ("FooError: ...") in `lines`, or None."""
+    for index in range(len(lines) - 1, -1, -1):
+        if _EXCEPTION_LINE.search(lines[index]):
+            return index
+    return None
+
+
+def exception_text(line: str) -> str:
+    match = _EXCEPTION_LINE.search(line)
+    return match.group("text").strip() if match else strip_log_prefix(line)
+
+
+@dataclass
+class _NodeProgress:
+    markers: list[tuple[str, re.Pattern[str]]]
+    seen: set[str] = field(default_factory=set)
+    lines: deque[str] = field(default_factory=lambda: deque(maxlen=LINES_KEPT_PER_NODE))
+
+    def awaited(self) -> tuple[str, str] | None:
+        for name, pattern in self.markers:
+            if name not in self.seen:
+                return name, pattern.pattern
+        return None
+
+
+def _compile(markers: Sequence[MarkerLike]) -> list[tuple[str, re.Pattern[str]]]:
+    return [(marker.name, re.compile(marker.pattern)) for marker in markers]
+
+
+class BootWatch:
+    """The state of one boot as its events arrive. Pure: no I/O, no clock of its own."""
+
+    def __init__(
+        self,
+        *,
+        head: str,
+        workers: Sequence[str],
+        started_at: float,
+        boot_markers: Sequence[MarkerLike] = DEFAULT_BOOT_MARKERS,
+        worker_markers: Sequence[MarkerLike] = (HEADLESS_WORKER_JOINED,),
+        failure_markers: Sequence[MarkerLike] = DEFAULT_FAILURE_MARKERS,
+    ) -> None:
+        self.head = head
+        self.started_at = started_at
+        self.timeline: list[TimelineEntry] = []
+        self.head_figures: dict[str, float] = {}
+        self._nodes = {head: _NodeProgress(_compile(boot_markers))}
+        for worker in workers:
+            self._nodes[worker] = _NodeProgress(_compile(worker_markers))
+        self._failure_markers = _compile(failure_markers)
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(self._nodes)
+
+    @property
+    def complete(self) -> bool:
+        return all(progress.awaited() is None for progress in self._nodes.values())
+
+    def awaited(self) -> tuple[str, str, str] | None:
+        """(node, marker name, pattern) of the first marker still missing, head first."""
+        for node, progress in self._nodes.items():
+            missing = progress.awaited()
+            if missing is not None:
+                return node, *missing
+        return None
+
+    def tail(self, node: str, count: int = LINES_AFTER * 2) -> list[str]:
+        progress = self._nodes.get(node)
+        return [] if progress is None else list(progress.lines)[-count:]
+
+    def record(
+        self, marker: str, node: str, t: float, figures: dict[str, float], line: str
+    ) -> None:
+        self.timeline.append(
+            TimelineEntry(marker, node, round(t - self.started_at, 3), figures, _quote(line))
+        )
+
+    def observe(self, event: GateEvent) -> Failure | None:
+        progress = self._nodes.get(event.node)
+        if progress is None:
+            return None
+        if isinstance(event, ContainerExited):
+            return self._exited(event, progress)
+        earlier = list(progress.lines)
+        progress.lines.append(event.line)
+        for name, pattern in self._failure_markers:
+            if pattern.search(event.line):
+                return self._fatal_line(event, name, earlier)
+        for name, pattern in progress.markers:
+            if name in progress.seen:
+                continue
+            match = pattern.search(event.line)
+            if match is None:
+                continue
+            progress.seen.add(name)
+            figures = parse_figures(match)
+            if event.node == self.head:
+                self.head_figures.update(figures)
+            self.record(name, event.node, event.t, figures, strip_log_prefix(event.line))
+        return None
+
+    def _fatal_line(self, event: LogLine, name: str, earlier: list[str]) -> Failure:
+        before = [_quote(line) for line in earlier[-LINES_BEFORE:]]
+        cause = f"{name}: {strip_log_prefix(event.line)}"
+        if name == ROOT_CAUSE_ABOVE:
+            root = find_root_cause(earlier)
+            if root is not None:
+                cause = (
+                    f"{name}: the engine core died of {exception_text(earlier[root])} "
+                    f"(quoted above the final error)"
+                )
+                before = [_quote(line) for line in earlier[max(root - LINES_BEFORE, 0) : root + 1]]
+                if root + 1 < len(earlier):
+                    before.append("...")
+        return Failure(event.node, name, cause, [*before, _quote(event.line)])
+
+    def _exited(self, event: ContainerExited, progress: _NodeProgress) -> Failure:
+        lines = list(progress.lines)
+        if event.exit_code == OOM_KILLED_EXIT_CODE:
+            kind, cause = "oom_killed", "OOM-killed: the container exited with code 137 (SIGKILL)"
+        else:
+            kind, cause = "container_exited", f"the container exited with code {event.exit_code}"
+        root = find_root_cause(lines)
+        if root is not None:
+            cause += f"; last error in its log: {exception_text(lines[root])}"
+        excerpt = [_quote(line) for line in lines[-(LINES_BEFORE + LINES_AFTER) :]]
+        return Failure(event.node, kind, cause, excerpt or ["(the container printed nothing)"])
+
+
+def probe_endpoint(endpoint: str, served_model_name: str, *, timeout: float) -> ProbeOutcome:
+    """GET /health, then GET /v1/models; ready when the served name is listed."""
+    base = endpoint.rstrip("/")
+    try:
+        health = engine_http.request("GET", f"{base}/health", timeout=timeout)
+        if health.status != 200:
+            return ProbeOutcome(False, f"/health answered {health.status}")
+        models = engine_http.request("GET", f"{base}/v1/models", timeout=timeout)
+    except ConnectionRefusedError:
+        return ProbeOutcome(False, "connection refused (the engine is still loading)")
+    except (OSError, http.client.HTTPException) as error:
+        return ProbeOutcome(False, f"{type(error).__name__}: {error}")
+    if models.status != 200:
+        return ProbeOutcome(False, f"/v1/models answered {models.status}")
+    try:
+        names = [str(entry["id"]) for entry in models.json()["data"]]
+    except (ValueError, KeyError, TypeError) as error:
+        return ProbeOutcome(False, f"/v1/models is not an OpenAI model list ({error})")
+    return ProbeOutcome(served_model_name in names, f"/v1/models lists {names}", names)
+
+
+class ReadinessGate:
+    """Drives a BootWatch from an event queue and probes the endpoint once the markers are in."""
+
+    def __init__(
+        self,
+        *,
+        head: str,
+        workers: Sequence[str] = (),
+        boot_markers: Sequence[MarkerLike] = DEFAULT_BOOT_MARKERS,
+        worker_markers: Sequence[MarkerLike] = (HEADLESS_WORKER_JOINED,),
+        failure_markers: Sequence[MarkerLike] = DEFAULT_FAILURE_MARKERS,
+        started_at: float | None = None,
+        health_poll_s: float = 0.2,
+        http_timeout_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self._health_poll_s = health_poll_s
+        self._http_timeout_s = http_timeout_s
+        self.watch = BootWatch(
+            head=head,
+            workers=workers,
+            started_at=clock() if started_at is None else started_at,
+            boot_markers=boot_markers,
+            worker_markers=worker_markers,
+            failure_markers=failure_markers,
+        )
+
+    @property
+    def timeline(self) -> list[TimelineEntry]:
+        return self.watch.timeline
+
+    def _elapsed(self) -> float:
+        return self._clock() - self.watch.started_at
+
+    def wait(
+        self,
+        events: queue.Queue[GateEvent],
+        *,
+        endpoint: str,
+        served_model_name: str,
+        timeout_s: float,
+    ) -> GateResult:
+        watch = self.watch
+        deadline = watch.started_at + timeout_s
+        next_probe = 0.0
+        last_probe: ProbeOutcome | None = None
+        while True:
+            now = self._clock()
+            if watch.complete and now >= next_probe:
+                last_probe = probe_endpoint(
+                    endpoint, served_model_name, timeout=self._http_timeout_s
+                )
+                if last_probe.ready:
+                    return self._ready()
+                if last_probe.served_names is not None:
+                    raise self._wrong_name(served_model_name, last_probe).to_error(self._elapsed())
+                next_probe = self._clock() + self._health_poll_s
+                continue
+            if now >= deadline:
+                raise self._timed_out(timeout_s, endpoint, served_model_name, last_probe)
+            wait_s = deadline - now
+            if watch.complete:
+                wait_s = min(wait_s, next_probe - now)
+            try:
+                event = events.get(timeout=max(wait_s, 0.0))
+            except queue.Empty:
+                continue
+            failure = watch.observe(event)
+            if failure is not None:
+                raise self._with_trailing_lines(failure, events).to_error(self._elapsed())
+
+    def _ready(self) -> GateResult:
+        seconds = self._elapsed()
+        self.watch.record("endpoint_ready", self.watch.head, self._clock(), {}, "GET /health 200")
+        figures = {**self.watch.head_figures, "ready_s": round(seconds, 3)}
+        return GateResult(round(seconds, 3), list(self.watch.timeline), figures)
+
+    def _with_trailing_lines(self, failure: Failure, events: queue.Queue[GateEvent]) -> Failure:
+        grace_end = self._clock() + TRAILING_LINES_GRACE_S
+        trailing: list[str] = []
+        while len(trailing) < LINES_AFTER:
+            remaining = grace_end - self._clock()
+            if remaining <= 0:
+                break
+            try:
+                event = events.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if isinstance(event, LogLine) and event.node == failure.node:
+                trailing.append(_quote(event.line))
+        if not trailing:
+            return failure
+        return Failure(failure.node, failure.kind, failure.cause, [*failure.excerpt, *trailing])
+
+    def _wrong_name(self, served_model_name: str, probe: ProbeOutcome) -> Failure:
+        return Failure(
+            self.watch.head,
+            "served_name_mismatch",
+            f"the engine is up but serves {probe.served_names}, not {served_model_name!r}",
+            self.watch.tail(self.watch.head),
+        )
+
+    def _timed_out(
+        self,
+        timeout_s: float,
+        endpoint: str,
+        served_model_name: str,
+        last_probe: ProbeOutcome | None,
+    ) -> BootFailed:
+        awaited = self.watch.awaited()
+        if awaited is None:
+            node = self.watch.head
+            detail = last_probe.detail if last_probe else "never probed"
+            cause = (
+                f"every marker seen, but {endpoint} was not ready within {timeout_s} s ({detail})"
+            )
+        else:
+            node, marker, pattern = awaited
+            cause = f"no {marker!r} line (/{pattern}/) within {timeout_s} s"
+            # A build that words its lines differently still serves: say so, the fix differs.
+            probe = probe_endpoint(endpoint, served_model_name, timeout=self._http_timeout_s)
+            if probe.ready:
+                cause += (
+                    f"; yet {endpoint} is ready: the recipe's marker pattern does not match "
+                    "this build's log"
+                )
+        excerpt = self.watch.tail(node) or ["(no log lines from this node)"]
+        return Failure(node, "timeout", cause, excerpt).to_error(self._elapsed())
+
+
+def follow_lines(
+    events: queue.Queue[GateEvent],
+    node: str,
+    lines: Iterable[bytes | str],
+    exit_code: Callable[[], int | None],
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> threading.Thread:
+    """Feed `lines` (e.g. a `docker logs -f` stdout) to the queue from a daemon thread.
+
+    When the lines end, `exit_code()` is asked for the container's exit code (e.g. from
+    `docker wait`); an int becomes a ContainerExited event, None means "still running" (the log
+    stream was cut) and puts nothing.
+    """
+
+    def pump() -> None:
+        try:
+            for raw in lines:
+                text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+                events.put(LogLine(node, text.rstrip("\r\n"), clock()))
+        except (OSError, ValueError):
+            pass  # the stream was closed under us; the exit code below tells what happened
+        code = exit_code()
+        if code is not None:
+            events.put(ContainerExited(node, code, clock()))
+
+    thread = threading.Thread(target=pump, name=f"follow-logs-{node}", daemon=True)
+    thread.start()
+    return thread
