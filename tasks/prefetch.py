@@ -1,0 +1,173 @@
+"""Prefect task: every repo of the plan into the NAS HF cache (logic in sparkdeploy.prefetch).
+
+The hub token is read here, inside the task, from the Prefect Secret block `hf-token` or
+HF_TOKEN: it is never a task parameter, so it never lands in the run's recorded parameters, logs
+or artifacts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+from uuid import UUID
+
+from prefect import Task, task
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.blocks.system import Secret
+from prefect.client.schemas.objects import TaskRun
+from prefect.logging import get_run_logger
+from prefect.states import State
+
+from sparkdeploy.errors import TransientPrefetchError
+from sparkdeploy.prefetch import (
+    PUBLIC_HUB,
+    TOKEN_SECRET_BLOCK,
+    HubAccess,
+    Progress,
+    RepoLike,
+    RepoOutcome,
+    human_bytes,
+    prefetch,
+)
+
+PROGRESS_ARTIFACT_KEY = "prefetch-progress"
+FILES_ARTIFACT_KEY = "prefetch-files"
+
+
+def load_hub_token() -> str | None:
+    """The Secret block's value if the block exists, else HF_TOKEN, else None (anonymous)."""
+    try:
+        # Prefect's dispatch types the call as maybe-a-coroutine; from sync code it is the block.
+        secret = cast(Secret[str], Secret.load(TOKEN_SECRET_BLOCK))
+        return str(secret.get())
+    except ValueError:  # Prefect's answer for a block that does not exist
+        return os.environ.get("HF_TOKEN") or None
+
+
+def only_transient_failures(task: Task[Any, Any], task_run: TaskRun, state: State[Any]) -> bool:
+    """Retry a hub outage or a 5xx; never a 404, a gated repo, a full NAS or a corrupt file."""
+    try:
+        state.result()
+    except TransientPrefetchError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+class PrefectReporter:
+    """Turns prefetch progress into a progress artifact and log lines, both rate limited."""
+
+    def __init__(
+        self,
+        logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        artifact_id: UUID,
+        *,
+        log_every_s: float = 15.0,
+        artifact_every_s: float = 2.0,
+    ) -> None:
+        self._logger = logger
+        self._artifact_id = artifact_id
+        self._log_every_s = log_every_s
+        self._artifact_every_s = artifact_every_s
+        self._last_log = 0.0
+        self._last_artifact = 0.0
+
+    def on_progress(self, progress: Progress) -> None:
+        now = time.monotonic()
+        finished = progress.done_bytes >= progress.total_bytes
+        percent = (
+            100.0 * progress.done_bytes / progress.total_bytes if progress.total_bytes else 100.0
+        )
+        if finished or now - self._last_artifact >= self._artifact_every_s:
+            update_progress_artifact(self._artifact_id, percent)
+            self._last_artifact = now
+        if finished or now - self._last_log >= self._log_every_s:
+            eta = f"{progress.eta_s:.0f} s" if progress.eta_s is not None else "unknown"
+            self._logger.info(
+                "prefetch %s: %s of %s (%.0f%%), %s/s, ETA %s",
+                progress.repo,
+                human_bytes(progress.done_bytes),
+                human_bytes(progress.total_bytes),
+                percent,
+                human_bytes(progress.rate_bps),
+                eta,
+            )
+            self._last_log = now
+
+    def on_message(self, message: str) -> None:
+        self._logger.info("%s", message)
+
+
+def files_table(outcomes: Sequence[RepoOutcome]) -> list[dict[str, Any]]:
+    return [
+        {
+            "repo": outcome.repo,
+            "commit": outcome.sha[:12],
+            "file": f.path,
+            "size": human_bytes(f.size),
+            "bytes": f.size,
+            "verified": f.verified,
+            "status": "fetched" if f.fetched else "cached",
+        }
+        for outcome in outcomes
+        for f in outcome.files
+    ]
+
+
+@task(
+    name="prefetch",
+    retries=3,
+    retry_delay_seconds=[10, 60, 300],
+    retry_condition_fn=only_transient_failures,
+)
+def prefetch_repos(
+    repos: Sequence[RepoLike],
+    nas_hf_cache: str,
+    endpoint: str | None = None,
+    max_workers: int = 8,
+) -> list[RepoOutcome]:
+    """Put every repo (at its pinned revision, if any) into the NAS HF cache on the flow host."""
+    logger = get_run_logger()
+    hub = HubAccess(
+        endpoint=endpoint or os.environ.get("HF_ENDPOINT") or PUBLIC_HUB,
+        token=load_hub_token(),
+        max_workers=max_workers,
+    )
+    logger.info(
+        "prefetch of %d repos from %s into %s (%s)",
+        len(repos),
+        hub.endpoint,
+        nas_hf_cache,
+        "authenticated" if hub.token else "anonymous",
+    )
+    artifact_id = cast(
+        UUID,
+        create_progress_artifact(
+            progress=0.0,
+            key=PROGRESS_ARTIFACT_KEY,
+            description="Bytes fetched into the NAS HF cache",
+        ),
+    )
+    outcomes = prefetch(
+        repos, Path(nas_hf_cache), hub, observer=PrefectReporter(logger, artifact_id)
+    )
+    update_progress_artifact(artifact_id, 100.0)
+    fetched = sum(o.fetched_bytes for o in outcomes)
+    create_table_artifact(
+        table=files_table(outcomes),
+        key=FILES_ARTIFACT_KEY,
+        description=(
+            f"{sum(len(o.files) for o in outcomes)} files in {len(outcomes)} repos; "
+            f"fetched {human_bytes(fetched)}"
+        ),
+    )
+    return outcomes
