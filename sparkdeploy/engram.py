@@ -95,9 +95,14 @@ def is_prime(n: int) -> bool:
 
 
 @lru_cache(maxsize=64)
-def _prime_columns(
+def prime_columns(
     layer_count: int, max_ngram_size: int, vocab_size: int, n_heads: int
 ) -> tuple[tuple[int, ...], ...]:
+    """Per layer, the prime size of each hash column (FACTS.md's rule), before any check.
+
+    For each layer in order and each n-gram order in it, a counter starts at vocab_size - 1;
+    each head takes the next prime above the counter that no earlier column has taken.
+    """
     taken: set[int] = set()
     layers: list[tuple[int, ...]] = []
     for _layer in range(layer_count):
@@ -199,7 +204,7 @@ class EngramGeometry:
 
     def column_sizes(self) -> list[list[int]]:
         """Per layer, the prime size of each hash column, checked against num_embeddings."""
-        layers = _prime_columns(
+        layers = prime_columns(
             len(self.layer_ids), self.max_ngram_size, self.vocab_size, self.n_heads
         )
         for layer_id, expected, columns in zip(
