@@ -37,6 +37,7 @@ _PLAN_FLAGS = {
     "--master-addr": "the head node's fabric_ip",
     "--master-port": "the plan (29501)",
     "--headless": "the plan (on workers)",
+    "--revision": "model_revision (so the prefetch fetches the same revision)",
 }
 # Env the plan injects per node (the fabric differs per node) or sets from the inventory.
 _PLAN_ENV = {
@@ -107,32 +108,6 @@ class ExtraMount(_Strict):
     read_only: bool = False
 
 
-DEFAULT_BOOT_MARKERS = (
-    MarkerSpec(name="model loaded", pattern=r"Model loading took"),
-    MarkerSpec(name="KV cache sized", pattern=r"GPU KV cache size"),
-    MarkerSpec(name="API up", pattern=r"Application startup complete"),
-)
-# FACTS.md's fatal vLLM log lines; recipes add their own failure_markers to these.
-BUILTIN_FAILURE_MARKERS = (
-    MarkerSpec(
-        name="not enough free memory",
-        pattern=r"Free memory on device \S+ .* is less than desired GPU memory utilization",
-    ),
-    MarkerSpec(
-        name="KV cache too small for max-model-len",
-        pattern=r"larger than the available KV cache memory",
-    ),
-    MarkerSpec(name="no memory for KV cache", pattern=r"No available memory for the cache blocks"),
-    MarkerSpec(name="CUDA out of memory", pattern=r"torch\.OutOfMemoryError|CUDA out of memory"),
-    MarkerSpec(name="distributed connect timeout", pattern=r"DistNetworkError.*timed out"),
-    MarkerSpec(
-        name="engine start timeout",
-        pattern=r"Timed out waiting for engine core processes to start",
-    ),
-    MarkerSpec(name="engine init failed", pattern=r"Engine core initialization failed"),
-)
-
-
 class Recipe(_Strict):
     """One recipe file. Keys are documented in docs/recipes.md."""
 
@@ -156,7 +131,7 @@ class Recipe(_Strict):
     nccl_profile: str | None = None
     composed_model: ComposedModel | None = None
     extra_mounts: list[ExtraMount] = Field(default_factory=list)
-    boot_markers: list[MarkerSpec] = Field(default_factory=lambda: list(DEFAULT_BOOT_MARKERS))
+    boot_markers: list[MarkerSpec] = Field(default_factory=list)  # empty: vLLM's own markers
     failure_markers: list[MarkerSpec] = Field(default_factory=list)
     smoke: SmokeOptions = Field(default_factory=SmokeOptions)
 
@@ -250,10 +225,6 @@ class Recipe(_Strict):
                     f"({known.revision}, {ref.revision}); pin one"
                 )
         return list(by_repo.values())
-
-    @property
-    def all_failure_markers(self) -> list[MarkerSpec]:
-        return [*BUILTIN_FAILURE_MARKERS, *self.failure_markers]
 
 
 Where = Callable[[KeyPath], str]

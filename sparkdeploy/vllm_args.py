@@ -36,7 +36,8 @@ def canonical_flag(flag: str) -> str:
     return flag.replace("_", "-")
 
 
-def _is_flag(token: str) -> bool:
+def is_flag(token: str) -> bool:
+    """`--x`, `-x` and `--x=1` are flags; `-1` and `-0.5` are values."""
     return token.startswith("-") and not _NEGATIVE_NUMBER.match(token)
 
 
@@ -121,7 +122,7 @@ def normalise_args(
         token = args[index]
         start = index
         index += 1
-        if not _is_flag(token):
+        if not is_flag(token):
             problems.append(
                 f"{where(start)}: stray value {token!r} with no flag before it; args are "
                 "`--flag`, `--flag value` or `--flag=value` (the model goes in `model`)"
@@ -131,7 +132,7 @@ def normalise_args(
         value: str | None
         if has_equals:
             value = inline_value
-        elif index < len(args) and not _is_flag(args[index]):
+        elif index < len(args) and not is_flag(args[index]):
             value = args[index]
             index += 1
         else:

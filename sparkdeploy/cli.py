@@ -1,0 +1,193 @@
+"""`sparkdeploy validate` and `sparkdeploy plan`: check files and show plans, touching no node.
+
+Imports stay light (no prefect, paramiko, docker or huggingface_hub) so validating every recipe
+takes well under a second after start-up.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sparkdeploy.cluster import load_cluster
+from sparkdeploy.errors import SparkDeployError
+from sparkdeploy.plan import NodePlan, Plan, make_plan
+from sparkdeploy.recipe import load_recipe, recipe_paths
+from sparkdeploy.vllm_args import is_flag
+
+app = typer.Typer(
+    help="Validate recipes and cluster inventories; show what a deployment would run.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+RootOption = Annotated[
+    Path,
+    typer.Option(
+        "--root",
+        envvar="SPARKDEPLOY_ROOT",
+        help="Project directory holding recipes/ and clusters/.",
+    ),
+]
+
+
+def _is_inventory(path: Path) -> bool:
+    return path.parent.name == "clusters"
+
+
+def _default_paths(root: Path) -> list[Path]:
+    return recipe_paths(root / "recipes") + sorted((root / "clusters").glob("*.toml"))
+
+
+def _problems_of(path: Path, check_files: bool) -> list[str]:
+    if path.is_dir():
+        path = path / "recipe.toml"
+    try:
+        if _is_inventory(path):
+            cluster = load_cluster(path)
+            return cluster.missing_files() if check_files else []
+        load_recipe(path)
+    except SparkDeployError as exc:
+        return str(exc).splitlines()
+    return []
+
+
+@app.command()
+def validate(
+    paths: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="Recipe files or dirs and inventories (files in a clusters/ dir). "
+            "Default: recipes/*/recipe.toml and clusters/*.toml."
+        ),
+    ] = None,
+    check_files: Annotated[
+        bool,
+        typer.Option(
+            "--check-files/--no-check-files",
+            help="Check that inventories' identity files and known_hosts exist on this host.",
+        ),
+    ] = True,
+    root: RootOption = Path("."),
+) -> None:
+    """Check recipes and inventories; print one line per problem; exit 1 on any."""
+    targets = list(paths) if paths else _default_paths(root)
+    problems = [line for path in targets for line in _problems_of(path, check_files)]
+    for line in problems:
+        typer.echo(line)
+    typer.echo(f"checked {len(targets)} files: {len(problems)} problems", err=True)
+    if problems or not targets:
+        raise typer.Exit(1)
+
+
+def _find(value: str, kind: str, candidates: list[Path], by_name: Path) -> Path:
+    path = Path(value)
+    if path.suffix == ".toml" or path.is_dir() or "/" in value:
+        return path / "recipe.toml" if path.is_dir() else path
+    if by_name.exists():
+        return by_name
+    known = ", ".join(
+        sorted(p.parent.name if p.name == "recipe.toml" else p.stem for p in candidates)
+    )
+    raise typer.BadParameter(f"no {kind} named {value!r} (known: {known or 'none'})")
+
+
+def _grouped(tokens: list[str]) -> list[str]:
+    """Shell-quoted lines: each flag with its value, for people to read."""
+    lines: list[str] = []
+    index = 0
+    while index < len(tokens):
+        group = [tokens[index]]
+        takes_value = is_flag(tokens[index]) and "=" not in tokens[index]
+        if takes_value and index + 1 < len(tokens) and not is_flag(tokens[index + 1]):
+            group.append(tokens[index + 1])
+        lines.append(shlex.join(group))
+        index += len(group)
+    return lines
+
+
+def _docker_run_text(node: NodePlan) -> str:
+    spec = node.container
+    argv = spec.docker_run_argv()
+    image_at = len(argv) - len(spec.command) - len(spec.entrypoint[1:]) - 1
+    options = _grouped(argv[3:image_at])
+    program = argv[image_at:]
+    head = 1
+    while head < len(program) and not is_flag(program[head]):
+        head += 1
+    lines = ["docker run -d", *options, shlex.join(program[:head]), *_grouped(program[head:])]
+    return " \\\n    ".join(lines)
+
+
+def _plan_text(plan: Plan) -> str:
+    out = [
+        f"# deployment {plan.deployment_id}: recipe {plan.recipe} on cluster {plan.cluster}",
+        f"# endpoint {plan.endpoint}  served model {plan.served_model_name}  "
+        f"readiness timeout {plan.readiness_timeout_s:g} s",
+        "# prefetch into "
+        + plan.nas_hf_cache
+        + ": "
+        + ", ".join(f"{r.repo}@{r.revision or 'main'}" for r in plan.repos),
+    ]
+    if plan.blocked:
+        out.insert(1, f"# BLOCKED (a deploy refuses to start): {plan.blocked}")
+    for node in plan.nodes:
+        ssh = node.ssh
+        out += [
+            "",
+            f"# node {node.node}: rank {node.rank} ({node.role}), ssh {ssh.user}@{ssh.host}:"
+            f"{ssh.port}, tp ranks {node.tp_ranks}",
+        ]
+        if node.composed:
+            out.append(f"# composed model dir {node.composed.root} -> {node.composed.mount}")
+        out += [
+            f"# engram stage {stage.filename} of {stage.repo.repo} -> {stage.dest} "
+            f"(ranks {stage.ranks} of {stage.tp_size})"
+            for stage in node.engram
+        ]
+        out.append(_docker_run_text(node))
+        if node.serve_exec:
+            out.append(
+                " \\\n    ".join(
+                    [f"docker exec {shlex.quote(node.container.name)}", *_grouped(node.serve_exec)]
+                )
+            )
+    return "\n".join(out)
+
+
+@app.command()
+def plan(
+    recipe: Annotated[str, typer.Argument(help="A recipe name under recipes/ or a path.")],
+    cluster: Annotated[
+        str, typer.Option("--cluster", help="An inventory name under clusters/ or a path.")
+    ],
+    nodes: Annotated[
+        str | None, typer.Option("--nodes", help="Nodes in rank order, comma-separated.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    root: RootOption = Path("."),
+) -> None:
+    """Print what a deployment would run on each node (never runs it)."""
+    recipe_path = _find(
+        recipe, "recipe", recipe_paths(root / "recipes"), root / "recipes" / recipe / "recipe.toml"
+    )
+    cluster_path = _find(
+        cluster,
+        "cluster",
+        sorted((root / "clusters").glob("*.toml")),
+        root / "clusters" / f"{cluster}.toml",
+    )
+    try:
+        result = make_plan(
+            load_recipe(recipe_path),
+            load_cluster(cluster_path),
+            [name.strip() for name in nodes.split(",") if name.strip()] if nodes else None,
+        )
+    except SparkDeployError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(result.model_dump_json(indent=2) if as_json else _plan_text(result))
