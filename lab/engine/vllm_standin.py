@@ -1,0 +1,464 @@
+"""`vllm serve` as the pipeline sees it, without a GPU: the lab's engine stand-in.
+
+Run as `python3 vllm_standin.py serve MODEL [vLLM flags]` (the image's `vllm` wrapper does so).
+It parses vLLM's flags, checks the node's network settings, meets the other nodes over a real TCP
+rendezvous, resolves and reads the model offline, verifies this node's Engram rows, prints
+vLLM's log lines in vLLM's order and serves the OpenAI-compatible API. Fault switches (env
+STANDIN_FAULT) make it fail the ways the field does; see lab/engine/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from types import FrameType
+
+try:
+    from lab.engine import standin_model as model_io
+    from lab.engine.standin_api import EngineState, OutputFaults, ServingConfig, StandinServer
+    from lab.engine.standin_args import non_default_args, parse_command_line
+    from lab.engine.standin_faults import Faults, FaultSpecError, fatal_lines
+    from lab.engine.standin_log import VLLM_VERSION, EngineFatal, Logger
+    from lab.engine.standin_net import (
+        HeadRendezvous,
+        WorkerRendezvous,
+        check_node_network,
+        headless_line,
+    )
+except ImportError:  # copied flat into the engine image
+    import standin_model as model_io  # type: ignore[no-redef]
+    from standin_api import (  # type: ignore[no-redef]
+        EngineState,
+        OutputFaults,
+        ServingConfig,
+        StandinServer,
+    )
+    from standin_args import non_default_args, parse_command_line  # type: ignore[no-redef]
+    from standin_faults import Faults, FaultSpecError, fatal_lines  # type: ignore[no-redef]
+    from standin_log import VLLM_VERSION, EngineFatal, Logger  # type: ignore[no-redef]
+    from standin_net import (  # type: ignore[no-redef]
+        HeadRendezvous,
+        WorkerRendezvous,
+        check_node_network,
+        headless_line,
+    )
+
+DEFAULT_MASTER_PORT = 29501
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 30.0
+DEFAULT_ENGINE_READY_TIMEOUT_S = 600.0
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
+class Shutdown(Exception):
+    """SIGTERM or SIGINT: stop as vLLM does, telling the workers first."""
+
+
+def _raise_shutdown(signum: int, frame: FrameType | None) -> None:
+    raise Shutdown(signal.Signals(signum).name)
+
+
+class StandinEngine:
+    """One node's `vllm serve`: the head (node rank 0, with the API) or a headless worker."""
+
+    def __init__(self, args: argparse.Namespace, env: Mapping[str, str]) -> None:
+        self.args = args
+        self.env = env
+        self.started = time.monotonic()
+        self.nnodes = args.nnodes or 1
+        self.node_rank = args.node_rank or 0
+        self.tp = args.tensor_parallel_size or 1
+        self.pp = args.pipeline_parallel_size or 1
+        self.headless = bool(args.headless)
+        self.master = (args.master_addr or "127.0.0.1", args.master_port or DEFAULT_MASTER_PORT)
+        self.api = Logger("APIServer")
+        self.core = Logger("EngineCore_DP0")
+        self.ready_timeout_s = float(
+            env.get("VLLM_ENGINE_READY_TIMEOUT_S", DEFAULT_ENGINE_READY_TIMEOUT_S)
+        )
+        self.faults = Faults.parse(env.get("STANDIN_FAULT", ""), self.node_rank)
+        self.head: HeadRendezvous | None = None
+        self.worker: WorkerRendezvous | None = None
+        self.server: StandinServer | None = None
+        self.state: EngineState | None = None
+        self.exit_code: int | None = None
+        self.stopped = threading.Event()
+
+    # -- the boot, in vLLM's order ------------------------------------------------------------
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, _raise_shutdown)
+        signal.signal(signal.SIGINT, _raise_shutdown)
+        try:
+            self.boot()
+            return self.serve()
+        except EngineFatal as fatal:
+            return self.fail(fatal)
+        except Shutdown as stop:
+            self.api.info("launcher.py:110", f"Shutting down ({stop}).")
+            return 0
+        except Exception:
+            self.core.error("core.py:843", "EngineCore failed to start.")
+            for line in traceback.format_exc().splitlines():
+                self.core.raw(line)
+            if self.worker is not None:
+                self.worker.report_failed("crashed while loading (traceback in its log)")
+            if not self.headless:
+                self.api.raw(_engine_core_failed())
+            return 1
+        finally:
+            self.close()
+
+    def boot(self) -> None:
+        if self.headless:
+            self.core = Logger(f"Worker_TP{self.node_rank}")
+        else:
+            self.api.info("api_server.py:1839", f"vLLM API server version {VLLM_VERSION}")
+            self.api.info("utils.py:253", f"non-default args: {non_default_args(self.args)}")
+        self.check_parallel_config()
+        check_node_network(self.env)
+        if not self.headless:
+            self.server = self.bind_api_port()
+        self.strike("startup")
+        memory = model_io.DeviceMemory.from_env(self.env)
+        memory.check_utilization(self.utilization)
+        self.rendezvous()
+        model = self.load()
+        if self.worker is not None:
+            self.worker.report_loaded()
+            return
+        if self.head is not None:
+            self.head.wait_all_loaded(self.started + self.ready_timeout_s, self.ready_timeout_s)
+        self.start_api(self.init_kv_cache(model, memory))
+
+    @property
+    def utilization(self) -> float:
+        value = self.args.gpu_memory_utilization
+        return 0.9 if value is None else float(value)
+
+    def check_parallel_config(self) -> None:
+        args = self.args
+        if self.nnodes > 1 and args.distributed_executor_backend == "ray":
+            raise EngineFatal(
+                [
+                    f"ValueError: nnodes={self.nnodes} (multi-node without Ray) needs "
+                    "distributed_executor_backend='mp', got 'ray'; with Ray, start the Ray "
+                    "cluster and run one `vllm serve` on the head without --nnodes"
+                ],
+                engine_core=False,
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise EngineFatal(
+                [f"ValueError: node_rank {self.node_rank} is not in [0, nnodes={self.nnodes})"],
+                engine_core=False,
+            )
+        if (self.tp * self.pp) % self.nnodes:
+            raise EngineFatal(
+                [
+                    f"ValueError: world size {self.tp * self.pp} (tensor_parallel_size {self.tp}"
+                    f" x pipeline_parallel_size {self.pp}) is not divisible by nnodes "
+                    f"{self.nnodes}"
+                ],
+                engine_core=False,
+            )
+        if self.headless and self.node_rank == 0:
+            raise EngineFatal(
+                ["ValueError: --headless is for the worker nodes (node rank > 0)"],
+                engine_core=False,
+            )
+
+    def bind_api_port(self) -> StandinServer:
+        host = self.args.host or "0.0.0.0"
+        port = self.args.port or 8000
+        try:
+            return StandinServer((host, port))
+        except OSError as exc:
+            raise EngineFatal(
+                [
+                    f"ERROR: [Errno {exc.errno}] error while attempting to bind on address "
+                    f"({host!r}, {port}): {(exc.strerror or str(exc)).lower()}"
+                ],
+                engine_core=False,
+            ) from exc
+
+    def strike(self, phase: str) -> None:
+        """Apply a `fatal:<kind>` switch that strikes at this phase of the boot."""
+        kind = self.faults.fatal_at(phase)
+        if kind is not None:
+            lines = fatal_lines(kind, self.env, master=self.master)
+            raise EngineFatal(lines, engine_core=kind != "engine_timeout")
+
+    def rendezvous(self) -> None:
+        if self.nnodes == 1:
+            return
+        addr, port = self.master
+        hello = {
+            "node_rank": self.node_rank,
+            "nnodes": self.nnodes,
+            "tensor_parallel_size": self.tp,
+            "pipeline_parallel_size": self.pp,
+            "model": self.args.model,
+        }
+        if self.node_rank == 0:
+            self.head = HeadRendezvous(
+                addr,
+                port,
+                self.nnodes,
+                {key: value for key, value in hello.items() if key != "node_rank"},
+                self.core,
+                on_worker_lost=self.worker_lost,
+            )
+            self.head.start()
+        else:
+            timeout = float(self.env.get("VLLM_RENDEZVOUS_TIMEOUT_S", DEFAULT_RENDEZVOUS_TIMEOUT_S))
+            self.worker = WorkerRendezvous.connect(addr, port, timeout, hello)
+            self.core.info("core.py:1012", headless_line(addr, port))
+        world = self.tp * self.pp
+        for rank in self.local_ranks():
+            self.core.info(
+                "parallel_state.py:1208",
+                f"world_size={world} rank={rank} local_rank={rank % self.gpus_per_node} "
+                f"distributed_init_method=tcp://{addr}:{port} backend=nccl",
+            )
+            self.core.info(
+                "parallel_state.py:1411",
+                f"rank {rank} in world size {world} is assigned as DP rank 0, PP rank "
+                f"{rank // self.tp}, TP rank {rank % self.tp}, EP rank {rank % self.tp}",
+            )
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.tp * self.pp // self.nnodes
+
+    def local_ranks(self) -> list[int]:
+        first = self.node_rank * self.gpus_per_node
+        return list(range(first, first + self.gpus_per_node))
+
+    def load(self) -> model_io.LoadedModel:
+        load_started = time.monotonic()
+        if self.faults.has("slow_boot"):
+            self.sleep_within_ready_timeout(self.faults.number("slow_boot", 5.0))
+        if self.faults.has("hang"):
+            while True:
+                time.sleep(3600)
+        if self.faults.has("crash"):
+            raise RuntimeError("STANDIN_FAULT=crash: the engine stand-in crashed loading weights")
+        if self.faults.has("exit137"):
+            _kill_self()
+        self.strike("load")
+        model = model_io.load_model(self.args.model, self.args.revision, self.env)
+        tp_ranks = sorted({rank % self.tp for rank in self.local_ranks()})
+        for checked in model_io.verify_engram_rows(model, tp_ranks, self.tp):
+            self.core.info("engram_loader.py:88", f"Engram table verified: {checked}")
+        elapsed = time.monotonic() - load_started
+        weights_gib = model.dense_bytes() / self.tp / model_io.GIB
+        for rank in self.local_ranks():
+            worker = Logger(f"Worker_TP{rank}") if self.gpus_per_node > 1 else self.core
+            worker.info("default_loader.py:291", f"Loading weights took {elapsed:.2f} seconds")
+            worker.info(
+                "gpu_model_runner.py:2602",
+                f"Model loading took {weights_gib:.4f} GiB memory and {elapsed:.6f} seconds",
+            )
+        algo = self.env.get("STANDIN_QUANTPROBE")
+        if algo is not None:
+            self.core.info(
+                "quantprobe.py:41",
+                f"[quantprobe] layer=model.layers.45.mlp.experts scheme=mtp algo={algo}",
+            )
+        return model
+
+    def sleep_within_ready_timeout(self, seconds: float) -> None:
+        remaining = self.started + self.ready_timeout_s - time.monotonic()
+        time.sleep(max(0.0, min(seconds, remaining)))
+        if seconds > remaining:
+            self.strike_timeout()
+
+    def strike_timeout(self) -> None:
+        raise EngineFatal(
+            fatal_lines("engine_timeout", self.env, master=self.master), engine_core=False
+        )
+
+    def init_kv_cache(
+        self, model: model_io.LoadedModel, memory: model_io.DeviceMemory
+    ) -> model_io.KvCachePlan:
+        self.strike("kv_cache")
+        plan = model_io.plan_kv_cache(
+            model,
+            memory,
+            tp=self.tp,
+            utilization=self.utilization,
+            kv_cache_memory_bytes=self.args.kv_cache_memory_bytes,
+            max_model_len=self.args.max_model_len,
+            block_size=self.args.block_size or 16,
+            kv_cache_dtype=self.args.kv_cache_dtype,
+        )
+        self.core.info(
+            "gpu_worker.py:298", f"Available KV cache memory: {plan.available_gib:.2f} GiB"
+        )
+        self.core.info(
+            "kv_cache_utils.py:1087",
+            f"GPU KV cache size: {plan.tokens:,} tokens, Maximum concurrency for "
+            f"{plan.max_model_len:,} tokens per request: {plan.concurrency:.2f}x",
+        )
+        self.core.info(
+            "core.py:259",
+            "init engine (profile, create kv cache, warmup model) took "
+            f"{time.monotonic() - self.started:.2f} seconds",
+        )
+        return plan
+
+    def start_api(self, plan: model_io.KvCachePlan) -> None:
+        assert self.server is not None
+        args = self.args
+        served = tuple(args.served_model_name or [args.model])
+        config = ServingConfig(
+            served_names=served,
+            model=args.model,
+            max_model_len=plan.max_model_len,
+            reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
+            auto_tool_choice=bool(args.enable_auto_tool_choice),
+            api_key=args.api_key or self.env.get("VLLM_API_KEY") or None,
+            block_size=args.block_size or 16,
+            kv_cache_tokens=plan.tokens,
+            token_delay_s=float(self.env.get("STANDIN_TOKEN_DELAY_S", "0.001")),
+        )
+        faults = OutputFaults(
+            token_loop=self.faults.has("token_loop"),
+            garbled=self.faults.has("garbled"),
+            empty_content=self.faults.has("empty_content"),
+            bad_after=(
+                int(self.faults.number("bad_after", 5)) if self.faults.has("bad_after") else None
+            ),
+            hang_long_prompt=self.faults.has("hang_long_prompt"),
+        )
+        self.state = EngineState(config, faults)
+        host, port = self.server.server_name, self.server.server_port
+        self.api.info("api_server.py:1972", f"Starting vLLM server on http://{host}:{port}")
+        self.api.info("launcher.py:36", "Available routes are:")
+        for route, methods in (
+            ("/health", "GET"),
+            ("/v1/models", "GET"),
+            ("/version", "GET"),
+            ("/load", "GET"),
+            ("/metrics", "GET"),
+            ("/v1/chat/completions", "POST"),
+            ("/v1/completions", "POST"),
+        ):
+            self.api.info("launcher.py:44", f"Route: {route}, Methods: {methods}")
+        self.server.start_listening(self.state)
+        self.api.raw(f"INFO:     Started server process [{os.getpid()}]")
+        self.api.raw("INFO:     Waiting for application startup.")
+        self.api.raw("INFO:     Application startup complete.")
+
+    # -- after the boot -----------------------------------------------------------------------
+
+    def serve(self) -> int:
+        if self.worker is not None:
+            return self.serve_as_worker(self.worker)
+        if self.faults.has("die_after_ready"):
+            delay = self.faults.number("die_after_ready", 0.5)
+            threading.Timer(
+                delay, self.engine_died, args=("STANDIN_FAULT=die_after_ready",)
+            ).start()
+        while not self.stopped.wait(0.5):
+            pass
+        return self.exit_code or 0
+
+    def serve_as_worker(self, worker: WorkerRendezvous) -> int:
+        """Stay up while the head lives; exit 0 when it shuts down, 1 when it vanishes."""
+        while True:
+            try:
+                status = worker.next_status()
+            except TimeoutError:
+                self.core.error("multiproc_executor.py:655", "WorkerProc hit an exception.")
+                self.core.raw("RuntimeError: STANDIN_FAULT=die_after_ready: the worker died")
+                return 1
+            if status == "ready":
+                self.core.info("multiproc_executor.py:520", "the head's engine is ready")
+                if self.faults.has("die_after_ready"):
+                    worker.sock.settimeout(self.faults.number("die_after_ready", 0.5))
+                continue
+            if status == "shutdown":
+                self.core.info("multiproc_executor.py:610", "the head shut down; exiting")
+                return 0
+            self.core.error(
+                "multiproc_executor.py:640",
+                f"the connection to the head at {worker.addr}:{worker.port} was lost; exiting",
+            )
+            return 1
+
+    def worker_lost(self, node_rank: int, host: str) -> None:
+        self.engine_died(f"the worker on node rank {node_rank} ({host}) is gone")
+
+    def engine_died(self, cause: str) -> None:
+        """The engine core is dead: /health answers 503, then the server exits (vLLM's way)."""
+        if self.state is not None:
+            self.state.dead = True
+        self.core.error("core.py:932", f"EngineCore encountered a fatal error: {cause}")
+        self.api.error("async_llm.py:480", "AsyncLLM output_handler failed.")
+        self.api.raw(f"vllm.v1.engine.exceptions.EngineDeadError: {ENGINE_DEAD}")
+        grace = float(self.env.get("STANDIN_DEAD_EXIT_S", "1.0"))
+        threading.Timer(grace, self.stop, args=(1,)).start()
+
+    def stop(self, code: int) -> None:
+        self.exit_code = code
+        self.api.info("launcher.py:110", "Shutting down FastAPI HTTP server.")
+        self.stopped.set()
+
+    def fail(self, fatal: EngineFatal) -> int:
+        logger = self.core if fatal.engine_core else self.api
+        if self.headless:
+            logger = self.core
+        if fatal.engine_core:
+            logger.error("core.py:843", "EngineCore failed to start.")
+        for line in fatal.lines:
+            logger.raw(line)
+        if self.worker is not None:
+            self.worker.report_failed(fatal.lines[-1] if fatal.lines else "failed")
+        if fatal.engine_core and not self.headless:
+            self.api.raw(_engine_core_failed())
+        return 1
+
+    def close(self) -> None:
+        if self.head is not None:
+            self.head.close()
+        if self.worker is not None:
+            self.worker.close()
+        if self.server is not None:
+            self.server.server_close()
+
+
+def _engine_core_failed() -> str:
+    return (
+        "RuntimeError: Engine core initialization failed. See root cause above. "
+        "Failed core proc(s): {'EngineCore_DP0': 1}"
+    )
+
+
+def _kill_self() -> None:
+    """Die as the kernel's OOM killer would make us: SIGKILL, exit code 137."""
+    sys.stdout.flush()
+    if os.getpid() == 1:
+        # PID 1 of a container cannot be signalled from inside; its exit code is what counts.
+        os._exit(137)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_command_line(sys.argv[1:] if argv is None else argv)
+    try:
+        engine = StandinEngine(args, os.environ)
+    except FaultSpecError as exc:
+        print(f"vllm serve: {exc}", file=sys.stderr)
+        return 2
+    return engine.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
