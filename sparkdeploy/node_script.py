@@ -2,15 +2,20 @@
 
 A node has python3 and nothing else of ours. The script installs each shipped module under its
 real name in sys.modules (so `from sparkdeploy.engram import ...` works unchanged there) and then
-calls the main module's `main(sys.argv[1:])`. The modules' own files are the only copy of their
-code: the script embeds their text as it is on disk.
+calls the main module's `main(sys.argv[1:])`, whose last stdout line is its JSON answer. The
+modules' own files are the only copy of their code: the script embeds their text as on disk.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
+
+# How much of a failed script's stderr an error message quotes.
+STDERR_TAIL_CHARS = 2000
 
 _INSTALLER = """\
 import sys
@@ -44,3 +49,15 @@ def build_node_script(main: ModuleType, libraries: Sequence[ModuleType] = ()) ->
         lines.append(f"_install({module.__name__!r}, {inspect.getsource(module)!r})")
     lines.append(f"sys.exit(sys.modules[{main.__name__!r}].main(sys.argv[1:]))")
     return "\n".join(lines) + "\n"
+
+
+def last_json_line(stdout: bytes) -> dict[str, Any] | None:
+    """The node script's answer: the last stdout line that is a JSON object."""
+    for line in reversed(stdout.decode("utf-8", "replace").strip().splitlines()):
+        try:
+            answer = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(answer, dict):
+            return answer
+    return None

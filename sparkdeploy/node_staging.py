@@ -357,13 +357,21 @@ def _result(
     }
 
 
-def iter_chunks(ranges: Sequence[tuple[int, int]], chunk_bytes: int) -> Iterator[Chunk]:
+def iter_chunks(
+    ranges: Sequence[tuple[int, int]], chunk_bytes: int, resume_from: int
+) -> Iterator[Chunk]:
+    """The ranges in chunks of at most chunk_bytes, none straddling resume_from (a resumed run
+    may use another chunk size than the run that stopped)."""
     copied_through = 0
     for index, (begin, end) in enumerate(ranges):
-        for offset in range(begin, end, chunk_bytes):
+        offset = begin
+        while offset < end:
             length = min(chunk_bytes, end - offset)
+            if copied_through < resume_from < copied_through + length:
+                length = resume_from - copied_through
             copied_through += length
             yield Chunk(index, offset, length, copied_through)
+            offset += length
 
 
 def _copy_and_verify(
@@ -455,7 +463,7 @@ def _copy_and_verify(
         thread.start()
 
     def read_chunks() -> None:
-        for chunk in iter_chunks(plan.ranges, request.chunk_bytes):
+        for chunk in iter_chunks(plan.ranges, request.chunk_bytes, resume_from):
             buffer = take(free_buffers)
             data = memoryview(buffer)[: chunk.length]
             _pread_exact(src_fd, data, chunk.offset, plan.source)

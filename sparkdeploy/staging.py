@@ -16,13 +16,12 @@ from typing import Any, Protocol
 
 from sparkdeploy import engram, node_hfcache, node_staging
 from sparkdeploy.errors import RemoteError, StagingError
-from sparkdeploy.node_script import build_node_script
+from sparkdeploy.node_script import STDERR_TAIL_CHARS, build_node_script, last_json_line
 
 INSPECT_TIMEOUT_S = 120.0
 # The slowest NAS read rate that is still healthy; it sizes the copy's timeout.
 MIN_COPY_BYTES_PER_S = 50 * 1000 * 1000
 COPY_TIMEOUT_BASE_S = 300.0
-STDERR_TAIL_CHARS = 2000
 
 ProgressCallback = Callable[[str, int, int], None]
 
@@ -144,7 +143,7 @@ def _call(
     if on_progress is not None:
         for done, total in progress_lines(stderr):
             on_progress(node, done, total)
-    answer = _last_json_line(completed.stdout.decode("utf-8", "replace"))
+    answer = last_json_line(completed.stdout)
     if answer is None:
         raise RemoteError(
             f"node {node}: the staging script ({mode} {request['dest']}) exited "
@@ -173,14 +172,3 @@ def progress_lines(stderr: str) -> list[tuple[int, int]]:
             continue
         found.append((int(progress["done"]), int(progress["total"])))
     return found
-
-
-def _last_json_line(stdout: str) -> dict[str, Any] | None:
-    for line in reversed(stdout.strip().splitlines()):
-        try:
-            answer = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(answer, dict):
-            return answer
-    return None
