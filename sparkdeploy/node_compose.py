@@ -113,7 +113,11 @@ def compose(
         for name, local in locals_by_name.items():
             for source in resolved:
                 if name in source.entries:
-                    _hardlink(local, _snapshot_dir(building, source), name)
+                    _hardlink(
+                        local,
+                        os.path.join(_snapshot_dir(building, source), name),
+                        os.path.join(_snapshot_dir(root, source), name),
+                    )
         with open(os.path.join(building, KEY_FILE), "w", encoding="utf-8") as key_file:
             json.dump(key, key_file, indent=1)
         status = _swap_in(building, root)
@@ -190,8 +194,8 @@ def _build_repo(building: str, source: Source) -> None:
         os.symlink(os.path.join(source.snapshot, entry), link)
 
 
-def _hardlink(local: str, snapshot: str, name: str) -> None:
-    entry = os.path.join(snapshot, name)
+def _hardlink(local: str, entry: str, final_entry: str) -> None:
+    """Replace the symlink at entry (in the dir being built; final_entry once swapped in)."""
     os.remove(entry)
     try:
         os.link(local, entry)
@@ -200,9 +204,9 @@ def _hardlink(local: str, snapshot: str, name: str) -> None:
             raise
         raise ComposeFailure(
             "exdev",
-            f"cannot hardlink {local} into the composed dir as {entry}: they are on different "
-            "mounts (EXDEV), and a hardlink cannot cross mounts even on one disk; put the "
-            "cluster's composed_root and engram_root on one filesystem and one mount",
+            f"cannot hardlink {local} into the composed dir as {final_entry}: they are on "
+            "different mounts (EXDEV), and a hardlink cannot cross mounts even on one disk; "
+            "put the cluster's composed_root and engram_root on one filesystem and one mount",
         ) from None
 
 
