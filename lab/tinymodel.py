@@ -90,11 +90,16 @@ def write_tensor_bytes(fd: int, data_begin: int, tensor_name: str, start: int, s
     """Write bytes [start, stop) of a tensor whose data starts at file offset data_begin."""
     position = data_begin + start
     for chunk in iter_tensor_bytes(tensor_name, start, stop):
-        view = memoryview(chunk)
-        while view:
-            written = os.pwrite(fd, view, position)
-            position += written
-            view = view[written:]
+        _pwrite_all(fd, chunk, position)
+        position += len(chunk)
+
+
+def _pwrite_all(fd: int, data: bytes, position: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, position)
+        position += written
+        view = view[written:]
 
 
 def first_mismatch(fd: int, data_begin: int, tensor_name: str, start: int, stop: int) -> int | None:
@@ -227,9 +232,12 @@ def generate_repo(
     ]
     weight_map: dict[str, str] = {}
     metadata = {"format": "pt", "lab_revision": revision}
+    shard_sha256 = {}
     for index, (shard_name, tensors) in enumerate(zip(shard_names, [*dense, *tables], strict=True)):
         with_content = not (dense_holes and index < len(dense))
-        _write_shard(staging / shard_name, tensors, metadata, with_content=with_content)
+        shard_sha256[shard_name] = _write_shard(
+            staging / shard_name, tensors, metadata, with_content=with_content
+        )
         weight_map.update({tensor.name: shard_name for tensor in tensors})
     engram_shards = {}
     if engram is not None:
@@ -269,6 +277,11 @@ def generate_repo(
         gate.write_text("".join(f"{token}\n" for token in gated_tokens))
     else:
         gate.unlink(missing_ok=True)
+    # Host side only, like EngramSpec.config_keys: hand the hub the digests computed while
+    # writing, so it never re-reads GiB of shards to answer its first request.
+    from lab.hub import index_repo
+
+    index_repo(repos_dir, repo_id, known_sha256=shard_sha256)
     files = tuple(sorted([*small_files, ".gitattributes", *shard_names]))
     return GeneratedRepo(final, repo_id, files, tuple(shard_names), engram_shards, config)
 
@@ -325,7 +338,8 @@ def _engram_shards(engram: EngramSpec) -> list[list[TensorSpec]]:
 
 def _write_shard(
     path: Path, tensors: Sequence[TensorSpec], metadata: dict[str, str], *, with_content: bool
-) -> None:
+) -> str:
+    """Write the shard; returns its sha256, computed on the way (tensors are packed in order)."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for tensor in tensors:
@@ -339,15 +353,26 @@ def _write_shard(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header with spaces to 8 bytes
     data_start = 8 + len(raw)
+    head = struct.pack("<Q", len(raw)) + raw
+    digest = hashlib.sha256(head)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, data_start + offset)
-        os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
-        for tensor in tensors if with_content else ():
-            begin = header[tensor.name]["data_offsets"][0]
-            write_tensor_bytes(fd, data_start + begin, tensor.name, 0, tensor.nbytes)
+        os.pwrite(fd, head, 0)
+        if with_content:
+            for tensor in tensors:
+                begin = data_start + header[tensor.name]["data_offsets"][0]
+                for chunk in iter_tensor_bytes(tensor.name, 0, tensor.nbytes):
+                    _pwrite_all(fd, chunk, begin)
+                    digest.update(chunk)
+                    begin += len(chunk)
+        else:
+            zeros = bytes(BLOCK_BYTES)
+            for start in range(0, offset, BLOCK_BYTES):
+                digest.update(zeros[: min(BLOCK_BYTES, offset - start)])
     finally:
         os.close(fd)
+    return digest.hexdigest()
 
 
 def _config(num_shards: int, revision: str, engram: EngramSpec | None) -> dict[str, Any]:

@@ -1,0 +1,832 @@
+"""A local Hugging Face hub for the lab and the tests: what huggingface_hub 2.4's
+snapshot_download and hf_hub_download call, served from a directory, with fault switches.
+
+Repos live at repos_dir/<org>/<name>/ (lab.tinymodel writes them). Each has one revision,
+`main`, whose commit sha is derived from the files' content; a sibling file
+repos_dir/<org>/<name>.gated (one token a line) makes the repo gated. Endpoints, as the client
+calls them (FACTS.md, "The Hugging Face hub"):
+
+    GET  /api/models/{repo}[/revision/{rev}][?blobs=true]   sha and siblings
+    GET  /api/models/{repo}/tree/{rev}[/{path}]?recursive=  entries, paginated by a Link header
+    HEAD /{repo}/resolve/{rev}/{path}                       X-Repo-Commit, ETag, sizes
+    GET  /{repo}/resolve/{rev}/{path}                       the bytes; Range answered with 206
+
+Files are served directly (no redirect); LFS files (weights, or >= 10 MiB) also carry
+X-Linked-Etag (their sha256) and X-Linked-Size, as the hub's redirect responses do.
+
+Lab control: GET/POST /_lab/faults (JSON: fail_next + status, cut_next_file, slow, reset) and
+GET/POST /_lab/stats (requests and bytes served; POST {"reset": true} zeroes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".onnx")
+LFS_MIN_BYTES = 10 * 1024 * 1024
+CACHE_DIR_NAME = ".hub-cache"  # under repos_dir; org names never start with a dot
+HASH_CHUNK_BYTES = 8 * 1024 * 1024
+SEND_CHUNK_BYTES = 16 * 1024 * 1024
+# Idle keep-alive connections are closed after this, so no handler thread waits forever.
+CONNECTION_IDLE_TIMEOUT_S = 60.0
+REQUEST_LOG_LENGTH = 10_000
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """One file of a repo as the hub describes it."""
+
+    path: str
+    size: int
+    blob_id: str  # git blob sha1 (of the LFS pointer for LFS files)
+    sha256: str | None  # LFS files only
+
+    @property
+    def etag(self) -> str:
+        return self.sha256 or self.blob_id
+
+    def lfs_pointer(self) -> bytes:
+        return (
+            f"version https://git-lfs.github.com/spec/v1\noid sha256:{self.sha256}\n"
+            f"size {self.size}\n"
+        ).encode()
+
+    def tree_entry(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "type": "file",
+            "oid": self.blob_id,
+            "size": self.size,
+            "path": self.path,
+        }
+        if self.sha256 is not None:
+            entry["lfs"] = {
+                "oid": self.sha256,
+                "size": self.size,
+                "pointerSize": len(self.lfs_pointer()),
+            }
+        return entry
+
+    def sibling(self) -> dict[str, Any]:
+        sibling: dict[str, Any] = {
+            "rfilename": self.path,
+            "size": self.size,
+            "blobId": self.blob_id,
+        }
+        if self.sha256 is not None:
+            sibling["lfs"] = {
+                "size": self.size,
+                "sha256": self.sha256,
+                "pointerSize": len(self.lfs_pointer()),
+            }
+        return sibling
+
+
+@dataclass(frozen=True)
+class RepoState:
+    """A repo's single revision: its commit sha and files, sorted by path."""
+
+    repo_id: str
+    root: Path
+    sha: str
+    files: dict[str, HubFile]
+    last_modified: float
+    gated_tokens: frozenset[str] | None
+
+    def directories(self) -> list[str]:
+        """Every directory that holds a file, at any depth."""
+        found: set[str] = set()
+        for path in self.files:
+            parts = path.split("/")[:-1]
+            found.update("/".join(parts[: depth + 1]) for depth in range(len(parts)))
+        return sorted(found)
+
+
+def is_lfs(path: str, size: int) -> bool:
+    return path.endswith(LFS_SUFFIXES) or size >= LFS_MIN_BYTES
+
+
+class RepoIndex:
+    """Repo states with the files' digests cached (memory and repos_dir/.hub-cache).
+
+    A digest is reused while the file's size, mtime and inode are unchanged, so a multi-GiB
+    repo is hashed once, not on every request.
+    """
+
+    def __init__(self, repos_dir: Path) -> None:
+        self.repos_dir = repos_dir
+        self._lock = threading.Lock()
+        self._repo_locks: dict[str, threading.Lock] = {}
+
+    def state(
+        self, repo_id: str, known_sha256: Mapping[str, str] | None = None
+    ) -> RepoState | None:
+        """The repo's state now, or None if there is no such repo.
+
+        known_sha256 gives the sha256 of LFS files by path, from whoever just wrote them, so
+        they need not be read again.
+        """
+        org, _, name = repo_id.partition("/")
+        if not org or not name or org.startswith(".") or name.startswith(".") or "/" in name:
+            return None
+        root = self.repos_dir / org / name
+        if not root.is_dir():
+            return None
+        with self._lock:
+            repo_lock = self._repo_locks.setdefault(repo_id, threading.Lock())
+        with repo_lock:
+            return self._build(repo_id, root, known_sha256 or {})
+
+    def _build(self, repo_id: str, root: Path, known_sha256: Mapping[str, str]) -> RepoState:
+        cache_path = self.repos_dir / CACHE_DIR_NAME / f"{repo_id}.json"
+        cache = _read_json(cache_path)
+        files: dict[str, HubFile] = {}
+        fresh_cache: dict[str, Any] = {}
+        last_modified = 0.0
+        for path in sorted(_walk_files(root)):
+            relative = path.relative_to(root).as_posix()
+            stat = path.stat()
+            identity = [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+            cached = cache.get(relative)
+            if isinstance(cached, dict) and cached.get("identity") == identity:
+                entry = cached
+            elif relative in known_sha256 and is_lfs(relative, stat.st_size):
+                entry = {
+                    "identity": identity,
+                    **_lfs_digests(relative, stat.st_size, known_sha256[relative]),
+                }
+            else:
+                entry = {"identity": identity, **_digests(path, relative, stat.st_size)}
+            fresh_cache[relative] = entry
+            files[relative] = HubFile(relative, stat.st_size, entry["blob_id"], entry["sha256"])
+            last_modified = max(last_modified, stat.st_mtime)
+        if fresh_cache != cache:
+            _write_json(cache_path, fresh_cache)
+        listing = "".join(f"{f.path}\0{f.etag}\0" for f in files.values())
+        sha = hashlib.sha1(f"{repo_id}\0{listing}".encode()).hexdigest()
+        gate = root.parent / f"{root.name}.gated"
+        gated_tokens = (
+            frozenset(line.strip() for line in gate.read_text().splitlines() if line.strip())
+            if gate.is_file()
+            else None
+        )
+        return RepoState(repo_id, root, sha, files, last_modified, gated_tokens)
+
+
+def _walk_files(root: Path) -> Iterator[Path]:
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d != ".git"]
+        for name in names:
+            yield Path(directory) / name
+
+
+def _digests(path: Path, relative: str, size: int) -> dict[str, Any]:
+    lfs = is_lfs(relative, size)
+    digest = hashlib.sha256() if lfs else hashlib.sha1(f"blob {size}\0".encode())
+    with open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    if not lfs:
+        return {"blob_id": digest.hexdigest(), "sha256": None}
+    return _lfs_digests(relative, size, digest.hexdigest())
+
+
+def _lfs_digests(relative: str, size: int, sha256: str) -> dict[str, Any]:
+    pointer = HubFile(relative, size, "", sha256).lfs_pointer()
+    blob_id = hashlib.sha1(f"blob {len(pointer)}\0".encode() + pointer).hexdigest()
+    return {"blob_id": blob_id, "sha256": sha256}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    temporary.write_text(json.dumps(data))
+    temporary.replace(path)
+
+
+def index_repo(
+    repos_dir: str | os.PathLike[str],
+    repo_id: str,
+    known_sha256: Mapping[str, str] | None = None,
+) -> RepoState:
+    """Put a repo's digests in the hub's cache now, so its first request is fast."""
+    state = RepoIndex(Path(repos_dir)).state(repo_id, known_sha256)
+    if state is None:
+        raise FileNotFoundError(f"no repo {repo_id} under {repos_dir} (expected {repo_id}/ there)")
+    return state
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    method: str
+    path: str
+    status: int
+    bytes_sent: int
+    range: str | None
+    authorized: bool
+
+
+@dataclass
+class Faults:
+    fail_remaining: int = 0
+    fail_status: int = 503
+    cut_after_bytes: int | None = None
+    slow_bytes_per_s: int | None = None
+
+
+class HubServer:
+    """The lab hub in a thread of this process (or, via main(), as its own process)."""
+
+    def __init__(
+        self, repos_dir: Path, host: str = "127.0.0.1", port: int = 0, *, page_size: int = 1000
+    ) -> None:
+        self.repos_dir = Path(repos_dir)
+        self.index = RepoIndex(self.repos_dir)
+        self.page_size = page_size
+        self._host = host
+        self._port = port
+        self._faults = Faults()
+        self._lock = threading.Lock()
+        self._log: deque[RequestRecord] = deque(maxlen=REQUEST_LOG_LENGTH)
+        self._request_count = 0
+        self._bytes_served = 0
+        self._httpd: _HubHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> HubServer:
+        if self._httpd is not None:
+            return self
+        httpd = _HubHTTPServer((self._host, self._port), _HubHandler)
+        httpd.hub = self
+        self._httpd = httpd
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="lab-hub", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        httpd, self._httpd = self._httpd, None
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.close_connections()
+        httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> HubServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        if self._httpd is None:
+            raise RuntimeError("the lab hub is not started: call start() first")
+        host, port = self._httpd.socket.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    # --- fault switches --------------------------------------------------------------------
+
+    def fail_next(self, n: int, status: int = 503) -> None:
+        """The next n requests (lab control aside) are answered with `status`."""
+        with self._lock:
+            self._faults.fail_remaining = n
+            self._faults.fail_status = status
+
+    def cut_next_file(self, after_bytes: int) -> None:
+        """The next file body is cut (connection closed) after `after_bytes` bytes."""
+        with self._lock:
+            self._faults.cut_after_bytes = after_bytes
+
+    def slow(self, bytes_per_s: int | None) -> None:
+        """File bodies are sent at most this fast per response (None: full speed)."""
+        with self._lock:
+            self._faults.slow_bytes_per_s = bytes_per_s or None
+
+    def reset_faults(self) -> None:
+        with self._lock:
+            self._faults = Faults()
+
+    def faults(self) -> Faults:
+        with self._lock:
+            return Faults(**asdict(self._faults))
+
+    def apply_fault_request(self, request: Mapping[str, Any]) -> None:
+        """Apply a POST /_lab/faults body; ValueError names what is wrong."""
+        known = {"reset", "fail_next", "status", "cut_next_file", "slow"}
+        unknown = sorted(set(request) - known)
+        if unknown:
+            raise ValueError(f"unknown fault keys {unknown}; known: {sorted(known)}")
+        for key in ("fail_next", "status", "cut_next_file", "slow"):
+            value = request.get(key)
+            nullable = key == "slow"
+            if key in request and not (
+                (nullable and value is None)
+                or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+            ):
+                raise ValueError(f"fault {key}: expected a non-negative integer, got {value!r}")
+        if "status" in request and "fail_next" not in request:
+            raise ValueError("fault status: only meaningful with fail_next")
+        if request.get("reset"):
+            self.reset_faults()
+        if "fail_next" in request:
+            self.fail_next(request["fail_next"], request.get("status", 503))
+        if "cut_next_file" in request:
+            self.cut_next_file(request["cut_next_file"])
+        if "slow" in request:
+            self.slow(request["slow"])
+
+    def _take_failure(self) -> int | None:
+        with self._lock:
+            if self._faults.fail_remaining <= 0:
+                return None
+            self._faults.fail_remaining -= 1
+            return self._faults.fail_status
+
+    def _take_cut(self) -> int | None:
+        with self._lock:
+            cut, self._faults.cut_after_bytes = self._faults.cut_after_bytes, None
+            return cut
+
+    # --- statistics ------------------------------------------------------------------------
+
+    @property
+    def bytes_served(self) -> int:
+        """Body bytes of files sent since start (or the last reset_stats)."""
+        with self._lock:
+            return self._bytes_served
+
+    @property
+    def request_count(self) -> int:
+        with self._lock:
+            return self._request_count
+
+    def requests(self) -> list[RequestRecord]:
+        """The latest requests (lab control aside), oldest first."""
+        with self._lock:
+            return list(self._log)
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._log.clear()
+            self._request_count = 0
+            self._bytes_served = 0
+
+    def _record(self, record: RequestRecord) -> None:
+        with self._lock:
+            self._log.append(record)
+            self._request_count += 1
+            self._bytes_served += record.bytes_sent
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "requests": self._request_count,
+                "bytes_served": self._bytes_served,
+                "log": [asdict(record) for record in self._log],
+            }
+
+    def repo_sha(self, repo_id: str) -> str:
+        """The commit sha the hub serves for a repo now."""
+        state = self.index.state(repo_id)
+        if state is None:
+            raise FileNotFoundError(f"no repo {repo_id} under {self.repos_dir}")
+        return state.sha
+
+
+class _HubHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    hub: HubServer
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
+
+    def track(self, connection: socket.socket, open_: bool) -> None:
+        with self._connections_lock:
+            if open_:
+                self._connections.add(connection)
+            else:
+                self._connections.discard(connection)
+
+    def close_connections(self) -> None:
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+
+
+class _HubError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_code = error_code
+        self.headers = dict(headers or {})
+
+
+class _HubHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "lab-hub/1"
+    timeout = CONNECTION_IDLE_TIMEOUT_S
+    server: _HubHTTPServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.track(self.connection, True)
+
+    def finish(self) -> None:
+        self.server.track(self.connection, False)
+        with contextlib.suppress(OSError):
+            super().finish()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Requests go to the hub's own log (stats), not to stderr."""
+
+    @property
+    def hub(self) -> HubServer:
+        return self.server.hub
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_HEAD(self) -> None:
+        self._handle("HEAD")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def _handle(self, method: str) -> None:
+        self._bytes_sent = 0
+        self._status = 500
+        url = urlsplit(self.path)
+        segments = [unquote(segment) for segment in url.path.split("/")[1:]]
+        query = {key: values[-1] for key, values in parse_qs(url.query).items()}
+        if segments[:1] == ["_lab"]:
+            self._lab_control(method, segments[1:])
+            return
+        try:
+            status = self.hub._take_failure()
+            if status is not None:
+                raise _HubError(status, f"lab hub: injected failure ({status})")
+            self._route(method, segments, query)
+        except _HubError as error:
+            self._send_error(method, error)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        finally:
+            self.hub._record(
+                RequestRecord(
+                    method,
+                    self.path,
+                    self._status,
+                    self._bytes_sent,
+                    self.headers.get("Range"),
+                    "authorization" in {key.lower() for key in self.headers},
+                )
+            )
+
+    def _route(self, method: str, segments: list[str], query: dict[str, str]) -> None:
+        if segments[:2] == ["api", "models"] and len(segments) >= 4 and method == "GET":
+            repo_id = "/".join(segments[2:4])
+            rest = segments[4:]
+            state = self._repo(repo_id)
+            if not rest:
+                self._send_json(_repo_info(state, query))
+                return
+            if rest[0] == "revision" and len(rest) == 2:
+                self._check_revision(state, rest[1])
+                self._send_json(_repo_info(state, query))
+                return
+            if rest[0] == "tree" and len(rest) >= 2:
+                self._check_revision(state, rest[1])
+                self._send_tree(state, rest[1], "/".join(rest[2:]), query)
+                return
+        if len(segments) >= 5 and segments[2] == "resolve" and method in ("GET", "HEAD"):
+            state = self._repo("/".join(segments[:2]))
+            self._check_revision(state, segments[3])
+            self._check_access(state)
+            self._send_file(method, state, "/".join(segments[4:]))
+            return
+        raise _HubError(404, f"lab hub: no route for {method} {self.path}")
+
+    def _repo(self, repo_id: str) -> RepoState:
+        state = self.hub.index.state(repo_id)
+        if state is None:
+            raise _HubError(404, f"Repository {repo_id} not found", "RepoNotFound")
+        return state
+
+    def _check_revision(self, state: RepoState, revision: str) -> None:
+        if revision not in ("main", state.sha):
+            raise _HubError(
+                404, f"Invalid rev id: {revision}", "RevisionNotFound", {"X-Repo-Commit": state.sha}
+            )
+
+    def _check_access(self, state: RepoState) -> None:
+        if state.gated_tokens is None:
+            return
+        authorization = self.headers.get("Authorization", "")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer" and token in state.gated_tokens:
+            return
+        status = 403 if authorization else 401
+        raise _HubError(
+            status,
+            f"Access to model {state.repo_id} is restricted. You must have access to it and be "
+            "authenticated to access it. Please log in.",
+            "GatedRepo",
+        )
+
+    def _send_tree(
+        self, state: RepoState, revision: str, prefix: str, query: dict[str, str]
+    ) -> None:
+        recursive = query.get("recursive", "false").lower() == "true"
+        directories = state.directories()
+        if prefix and prefix not in directories:
+            raise _HubError(404, f"{prefix} does not exist in {state.repo_id}", "EntryNotFound")
+        base = f"{prefix}/" if prefix else ""
+
+        def wanted(path: str) -> bool:
+            return path.startswith(base) and (recursive or "/" not in path[len(base) :])
+
+        entries = [
+            {"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
+            for d in directories
+            if wanted(d)
+        ] + [f.tree_entry() for f in state.files.values() if wanted(f.path)]
+        try:
+            start = int(query.get("cursor", "0"))
+        except ValueError as exc:
+            raise _HubError(400, f"bad cursor {query.get('cursor')!r}") from exc
+        page = entries[start : start + self.hub.page_size]
+        headers = {}
+        if start + self.hub.page_size < len(entries):
+            path = f"/api/models/{state.repo_id}/tree/{quote(revision, safe='')}"
+            if prefix:
+                path += "/" + quote(prefix, safe="")
+            next_query = f"recursive={str(recursive).lower()}&expand=false"
+            next_query += f"&cursor={start + self.hub.page_size}"
+            host = self.headers.get("Host") or "{}:{}".format(*self.connection.getsockname()[:2])
+            headers["Link"] = f'<http://{host}{path}?{next_query}>; rel="next"'
+        self._send_json(page, headers)
+
+    def _send_file(self, method: str, state: RepoState, path: str) -> None:
+        hub_file = state.files.get(path)
+        if hub_file is None:
+            raise _HubError(
+                404,
+                f"Entry not found: {path} in {state.repo_id}",
+                "EntryNotFound",
+                {"X-Repo-Commit": state.sha},
+            )
+        size = hub_file.size
+        first, last = 0, size - 1
+        requested = self.headers.get("Range")
+        status = 200
+        if requested is not None and size > 0:
+            parsed = _parse_range(requested, size)
+            if parsed is None:
+                raise _HubError(
+                    416,
+                    f"Range {requested} not satisfiable for {size} bytes",
+                    headers={"Content-Range": f"bytes */{size}"},
+                )
+            first, last = parsed
+            status = 206
+        length = max(0, last - first + 1)
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "Content-Length": str(length),
+            "Accept-Ranges": "bytes",
+            "ETag": f'"{hub_file.etag}"',
+            "X-Repo-Commit": state.sha,
+        }
+        if hub_file.sha256 is not None:
+            headers["X-Linked-Etag"] = f'"{hub_file.sha256}"'
+            headers["X-Linked-Size"] = str(size)
+            name = path.rsplit("/", 1)[-1]
+            headers["Content-Disposition"] = f'inline; filename="{name}"'
+        if status == 206:
+            headers["Content-Range"] = f"bytes {first}-{last}/{size}"
+        self._send_head(status, headers)
+        if method == "HEAD" or length == 0:
+            return
+        self._send_body(state.root / path, first, length)
+
+    def _send_body(self, path: Path, offset: int, length: int) -> None:
+        cut = self.hub._take_cut()
+        rate = self.hub.faults().slow_bytes_per_s
+        to_send = length if cut is None else min(cut, length)
+        with open(path, "rb") as handle:
+            if rate is None:
+                position = offset
+                while position < offset + to_send:
+                    count = min(SEND_CHUNK_BYTES, offset + to_send - position)
+                    sent = self.connection.sendfile(handle, position, count)
+                    if sent == 0:
+                        break
+                    position += sent
+                    self._bytes_sent += sent
+            else:
+                self._send_paced(handle, offset, to_send, rate)
+        if cut is not None and to_send < length:
+            # Like a dropped connection mid-file: the client sees a body shorter than announced.
+            self.close_connection = True
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _send_paced(self, handle: Any, offset: int, to_send: int, rate: int) -> None:
+        chunk = max(1, min(rate // 20, SEND_CHUNK_BYTES))
+        started = time.monotonic()
+        sent = 0
+        while sent < to_send:
+            data = os.pread(handle.fileno(), min(chunk, to_send - sent), offset + sent)
+            if not data:
+                break
+            self.wfile.write(data)
+            sent += len(data)
+            self._bytes_sent += len(data)
+            ahead = sent / rate - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)
+
+    # --- lab control -----------------------------------------------------------------------
+
+    def _lab_control(self, method: str, segments: list[str]) -> None:
+        try:
+            if method not in ("GET", "POST"):
+                raise _HubError(405, f"lab hub: {method} is not a lab control method")
+            if segments == ["faults"]:
+                if method == "POST":
+                    self.hub.apply_fault_request(self._json_body())
+                self._send_json(asdict(self.hub.faults()))
+                return
+            if segments == ["stats"]:
+                if method == "POST" and self._json_body().get("reset"):
+                    self.hub.reset_stats()
+                self._send_json(self.hub.stats())
+                return
+            raise _HubError(404, f"lab hub: no control endpoint {self.path}")
+        except ValueError as error:
+            self._send_error(method, _HubError(400, f"lab hub: {error}"))
+        except _HubError as error:
+            self._send_error(method, error)
+
+    def _json_body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b"{}"
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"the request body is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ValueError("the request body must be a JSON object")
+        return body
+
+    # --- responses -------------------------------------------------------------------------
+
+    def _send_head(self, status: int, headers: Mapping[str, str]) -> None:
+        self._status = status
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.end_headers()
+
+    def _send_json(self, payload: object, headers: Mapping[str, str] | None = None) -> None:
+        body = json.dumps(payload).encode()
+        self._send_head(
+            200,
+            {
+                "Content-Type": "application/json",
+                "Content-Length": str(len(body)),
+                **(headers or {}),
+            },
+        )
+        self.wfile.write(body)
+
+    def _send_error(self, method: str, error: _HubError) -> None:
+        body = b"" if method == "HEAD" else json.dumps({"error": error.message}).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "Content-Length": str(len(body)),
+            "X-Error-Message": error.message,
+            **error.headers,
+        }
+        if error.error_code is not None:
+            headers["X-Error-Code"] = error.error_code
+        self._send_head(error.status, headers)
+        if body:
+            self.wfile.write(body)
+
+
+def _parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """(first, last) inclusive of a single `bytes=` range, or None when not satisfiable."""
+    unit, _, spec = header.partition("=")
+    if unit.strip() != "bytes" or "," in spec:
+        return None
+    start_text, _, end_text = spec.strip().partition("-")
+    try:
+        if not start_text:
+            suffix = int(end_text)
+            return (max(0, size - suffix), size - 1) if suffix > 0 else None
+        first = int(start_text)
+        last = int(end_text) if end_text else size - 1
+    except ValueError:
+        return None
+    if first >= size or last < first:
+        return None
+    return first, min(last, size - 1)
+
+
+def _repo_info(state: RepoState, query: Mapping[str, str]) -> dict[str, Any]:
+    with_blobs = query.get("blobs", "false").lower() == "true"
+    modified = datetime.fromtimestamp(state.last_modified, UTC).isoformat().replace("+00:00", "Z")
+    org = state.repo_id.split("/")[0]
+    return {
+        "_id": state.sha[:24],
+        "id": state.repo_id,
+        "modelId": state.repo_id,
+        "author": org,
+        "sha": state.sha,
+        "lastModified": modified,
+        "createdAt": modified,
+        "private": False,
+        "gated": "manual" if state.gated_tokens is not None else False,
+        "disabled": False,
+        "downloads": 0,
+        "likes": 0,
+        "tags": [],
+        "library_name": "transformers",
+        "siblings": [
+            f.sibling() if with_blobs else {"rfilename": f.path} for f in state.files.values()
+        ],
+        "usedStorage": sum(f.size for f in state.files.values()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lab.hub", description="Serve lab repos as a Hugging Face hub."
+    )
+    parser.add_argument("--repos", type=Path, required=True, help="repos_dir/<org>/<name>/")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--page-size", type=int, default=1000, help="tree entries per page")
+    args = parser.parse_args(argv)
+    if not args.repos.is_dir():
+        parser.error(f"--repos {args.repos}: not a directory")
+    hub = HubServer(args.repos, args.host, args.port, page_size=args.page_size).start()
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    print(json.dumps({"url": hub.url, "pid": os.getpid()}), flush=True)
+    stopping.wait()
+    hub.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
