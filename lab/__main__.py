@@ -1,0 +1,52 @@
+"""`python -m lab up [--nodes N] [--name NAME]`, `python -m lab down [--name NAME]`,
+`python -m lab status [--name NAME]`, `python -m lab image [--name NAME]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lab.cluster import Lab
+from lab.image import build_engine_image
+from lab.layout import DEFAULT_NAME, DEFAULT_NODES
+from sparkdeploy.errors import SparkDeployError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lab", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="bring the lab up (cleans a crashed one first)")
+    up.add_argument("--nodes", type=int, default=DEFAULT_NODES)
+    up.add_argument("--name", default=DEFAULT_NAME)
+    for command, help_text in (
+        ("down", "tear the lab down, leaving nothing"),
+        ("status", "addresses and processes of the lab, as JSON"),
+        ("image", "build the engine stand-in image and push it to the lab registry"),
+    ):
+        commands.add_parser(command, help=help_text).add_argument("--name", default=DEFAULT_NAME)
+    options = parser.parse_args(argv)
+    try:
+        if options.command == "up":
+            lab = Lab(options.name, options.nodes)
+            seconds = lab.up()
+            print(f"lab {lab.name!r} up in {seconds:.2f} s; inventory: {lab.inventory_path}")
+        elif options.command == "down":
+            seconds = Lab(options.name).down()
+            print(f"lab {options.name!r} down in {seconds:.2f} s")
+        elif options.command == "status":
+            try:
+                lab = Lab.existing(options.name)
+            except SparkDeployError:
+                lab = Lab(options.name)
+            print(json.dumps(lab.status(), indent=2))
+        else:
+            print(build_engine_image(Lab.existing(options.name)))
+    except SparkDeployError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

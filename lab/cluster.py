@@ -1,0 +1,716 @@
+"""A real multi-node cluster on one machine: `Lab.up()` and `Lab.down()`.
+
+Topology (names and addresses from lab.layout, derived from the lab's name):
+
+    host: <host_link> 10.x.y.1 ══veth══ uplink ─┐
+                                                 ├─ br0 10.x.y.2 (registry), netns lab-<name>-net
+    netns lab-<name>-node1: enp1s0f1np1 10.x.y.11 ══veth══ port1 ─┤
+    netns lab-<name>-node2: enp1s0f1np1 10.x.y.12 ══veth══ port2 ─┘ ...
+
+The bridge sits in its own namespace so node-to-node traffic never crosses the host's firewall.
+Each node runs lab/nodeinit.py in its own mount and UTS namespaces (own /run, /tmp + /var/tmp,
+/var/lib/docker, /etc/ssh, /etc/docker, /etc/hosts, hostname), which starts the node's dockerd
+and becomes its sshd. Everything lives under .lab/<name>/ (gitignored); `down` removes it all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from lab import unixhttp
+from lab.layout import (
+    DEFAULT_NAME,
+    DEFAULT_NODES,
+    FABRIC_NETDEV,
+    REGISTRY_PORT,
+    LabLayout,
+)
+from sparkdeploy.errors import LabError
+from sparkdeploy.ssh import SshTarget
+
+COMMAND_TIMEOUT_S = 15
+READY_TIMEOUT_S = 30
+STOP_TIMEOUT_S = 4
+NODEINIT = Path(__file__).resolve().parent / "nodeinit.py"
+NETNS_DIR = Path("/run/netns")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "dockerd", "containerd", "sshd")
+REGISTRY_BINARY = "/usr/bin/docker-registry"
+
+
+def run(argv: list[str], *, stdin: bytes | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:
+    """Run a host command (argv, never a shell); LabError with its stderr when it fails."""
+    try:
+        completed = subprocess.run(
+            argv, input=stdin, capture_output=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as error:
+        raise LabError(f"`{' '.join(argv)}` did not finish within {timeout} s") from error
+    if completed.returncode != 0:
+        raise LabError(
+            f"`{' '.join(argv)}` exited {completed.returncode}:"
+            f" {completed.stderr.decode(errors='replace').strip()[-800:]}"
+        )
+    return completed.stdout.decode()
+
+
+def _ip_batch(commands: list[str], netns: str | None = None) -> None:
+    """Several `ip` commands in one process (each `ip` start costs a few ms)."""
+    argv = ["ip", *(["-n", netns] if netns else []), "-batch", "-"]
+    run(argv, stdin="\n".join(commands).encode())
+
+
+@dataclass(frozen=True)
+class _KeyPair:
+    private_openssh: bytes
+    public_line: str
+
+    @classmethod
+    def generate(cls) -> _KeyPair:
+        key = Ed25519PrivateKey.generate()
+        private = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption(),
+        )
+        public = key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+        )
+        return cls(private, public.decode())
+
+
+def _write(path: Path, content: str | bytes, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = content.encode() if isinstance(content, str) else content
+    path.write_bytes(data)
+    path.chmod(mode)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"no TOML spelling for {value!r}")
+
+
+def _toml_table(header: str, values: dict[str, object]) -> str:
+    lines = [header, *(f"{key} = {_toml_value(value)}" for key, value in values.items())]
+    return "\n".join(lines) + "\n"
+
+
+class Lab:
+    """One lab, by name. `up()` builds it (cleaning a crashed one first), `down()` removes it."""
+
+    def __init__(self, name: str = DEFAULT_NAME, node_count: int = DEFAULT_NODES) -> None:
+        self.layout = LabLayout(name, node_count)
+
+    @classmethod
+    def existing(cls, name: str = DEFAULT_NAME) -> Lab:
+        """The lab `lab up --name NAME` brought up, read back from its state file."""
+        state_file = LabLayout(name, DEFAULT_NODES).state_file
+        try:
+            state = json.loads(state_file.read_text())
+        except FileNotFoundError as error:
+            raise LabError(
+                f"lab {name!r} is not up: {state_file} does not exist (run"
+                f" `python -m lab up --name {name}`)"
+            ) from error
+        return cls(name, len(state["nodes"]))
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    @property
+    def nodes(self) -> list[str]:
+        return self.layout.node_names
+
+    @property
+    def registry(self) -> str:
+        return self.layout.registry
+
+    @property
+    def inventory_path(self) -> Path:
+        return self.layout.inventory_path
+
+    @property
+    def nas_dir(self) -> Path:
+        return self.layout.nas_dir
+
+    def node_ip(self, node: str) -> str:
+        return self.layout.node_ip(node)
+
+    def docker_socket(self, node: str) -> Path:
+        return self.layout.docker_socket(node)
+
+    def ssh_target(self, node: str) -> SshTarget:
+        return SshTarget(
+            host=self.layout.node_ip(node),
+            port=22,
+            user="root",
+            identity_file=str(self.layout.identity_file),
+            known_hosts=str(self.layout.known_hosts),
+        )
+
+    def ssh_targets(self) -> dict[str, SshTarget]:
+        return {node: self.ssh_target(node) for node in self.nodes}
+
+    # ---------------------------------------------------------------- up
+
+    def up(self) -> float:
+        """Bring the lab up; returns the seconds it took. Remains of a crashed lab go first."""
+        started = time.monotonic()
+        _check_prerequisites()
+        self.down()
+        self._check_subnet_is_free()
+        try:
+            self._write_node_files()
+            self._create_network()
+            pids = self._start_daemons()
+            self._wait_until_ready(pids)
+            self._write_state(pids)
+            self._write_inventory()
+        except BaseException:
+            self.down()
+            raise
+        return time.monotonic() - started
+
+    def _check_subnet_is_free(self) -> None:
+        prefix = self.layout.subnet_prefix + "."
+        for line in run(["ip", "-o", "-4", "addr", "show"]).splitlines():
+            if f" {prefix}" in line:
+                raise LabError(
+                    f"lab {self.name!r} would use {self.layout.subnet}, but the host already has"
+                    f" an address in it ({line.split()[1]}: {line.split()[3]}); pick another"
+                    " --name (the subnet derives from it)"
+                )
+
+    def _write_node_files(self) -> None:
+        layout = self.layout
+        layout.state_dir.mkdir(parents=True, exist_ok=True)
+        (layout.nas_dir / "hf-cache").mkdir(parents=True, exist_ok=True)
+        (layout.nas_dir / "runs").mkdir(parents=True, exist_ok=True)
+        client = _KeyPair.generate()
+        _write(layout.identity_file, client.private_openssh, 0o600)
+        _write(layout.identity_file.with_suffix(".pub"), client.public_line + "\n")
+        hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
+            f"{layout.node_ip(node)} {node}\n" for node in self.nodes
+        )
+        known_hosts = []
+        for node in self.nodes:
+            node_dir = layout.node_dir(node)
+            for sub in ("run/sshd", "tmp", "var-upper", "var-work", "docker", "etc-docker"):
+                (node_dir / sub).mkdir(parents=True, exist_ok=True)
+            (node_dir / "tmp").chmod(0o1777)
+            (node_dir / "var-upper" / "tmp").symlink_to("/tmp")
+            host_key = _KeyPair.generate()
+            etc_ssh = node_dir / "etc-ssh"
+            _write(etc_ssh / "ssh_host_ed25519_key", host_key.private_openssh, 0o600)
+            _write(etc_ssh / "ssh_host_ed25519_key.pub", host_key.public_line + "\n")
+            _write(etc_ssh / "authorized_keys", client.public_line + "\n", 0o600)
+            _write(etc_ssh / "sshd_config", self._sshd_config(node))
+            _write(
+                node_dir / "etc-docker" / "daemon.json",
+                json.dumps(self._daemon_config(node), indent=2),
+            )
+            _write(node_dir / "hosts", hosts)
+            known_hosts.append(f"{layout.node_ip(node)} {host_key.public_line}\n")
+        _write(layout.known_hosts, "".join(known_hosts))
+        registry_dir = layout.state_dir / "registry"
+        registry_dir.mkdir(exist_ok=True)
+        _write(
+            layout.state_dir / "registry.yml",
+            "version: 0.1\n"
+            "log:\n  level: warn\n"
+            f"storage:\n  filesystem:\n    rootdirectory: {registry_dir}\n"
+            "  delete:\n    enabled: true\n"
+            f"http:\n  addr: {layout.registry}\n",
+        )
+
+    def _sshd_config(self, node: str) -> str:
+        return (
+            f"ListenAddress {self.layout.node_ip(node)}:22\n"
+            "HostKey /etc/ssh/ssh_host_ed25519_key\n"
+            "PidFile /run/sshd.pid\n"
+            # Node-private: the host's /root/.ssh is shared with every node and stays untouched.
+            "AuthorizedKeysFile /etc/ssh/authorized_keys\n"
+            "PermitRootLogin prohibit-password\n"
+            "PubkeyAuthentication yes\n"
+            "PasswordAuthentication no\n"
+            "KbdInteractiveAuthentication no\n"
+            "UsePAM no\n"
+            "PrintMotd no\n"
+            "PrintLastLog no\n"
+            "MaxStartups 128\n"
+            "MaxSessions 64\n"
+            "LogLevel ERROR\n"
+            "Subsystem sftp internal-sftp\n"
+        )
+
+    def _daemon_config(self, node: str) -> dict[str, Any]:
+        return {
+            "data-root": "/var/lib/docker",
+            "exec-root": "/run/docker",
+            "pidfile": "/run/docker.pid",
+            "hosts": ["unix:///run/docker.sock"],
+            "storage-driver": "overlay2",
+            "iptables": False,
+            "ip-forward": False,
+            "ip-masq": False,
+            "bridge": "none",
+            "insecure-registries": [self.layout.registry],
+            "registry-mirrors": [f"http://{self.layout.registry}"],
+            "exec-opts": ["native.cgroupdriver=cgroupfs"],
+            "cgroup-parent": "/" + self.layout.cgroup_parent(node),
+            "shutdown-timeout": 1,
+            "log-level": "warn",
+        }
+
+    def _create_network(self) -> None:
+        layout = self.layout
+        bridge_ns = layout.bridge_netns
+        _ip_batch(
+            [f"netns add {bridge_ns}"]
+            + [f"netns add {layout.node_netns(node)}" for node in self.nodes]
+            + [
+                f"link add {layout.host_link} type veth peer name uplink netns {bridge_ns}",
+                f"addr add {layout.host_ip}/24 dev {layout.host_link}",
+                f"link set {layout.host_link} up",
+            ]
+        )
+        bridge_commands = [
+            "link set lo up",
+            "link add br0 type bridge",
+            f"addr add {layout.registry_ip}/24 dev br0",
+            "link set br0 up",
+            "link set uplink master br0 up",
+        ]
+        for node in self.nodes:
+            port = layout.node_bridge_port(node)
+            bridge_commands += [
+                f"link add {port} type veth peer name {FABRIC_NETDEV}"
+                f" netns {layout.node_netns(node)}",
+                f"link set {port} master br0 up",
+            ]
+        _ip_batch(bridge_commands, bridge_ns)
+        for node in self.nodes:
+            _ip_batch(
+                [
+                    "link set lo up",
+                    f"addr add {layout.node_ip(node)}/24 dev {FABRIC_NETDEV}",
+                    f"link set {FABRIC_NETDEV} up",
+                ],
+                layout.node_netns(node),
+            )
+
+    def _start_daemons(self) -> dict[str, int]:
+        layout = self.layout
+        pids = {
+            "registry": self._spawn(
+                [
+                    "nsenter",
+                    f"--net={NETNS_DIR / layout.bridge_netns}",
+                    "--",
+                    REGISTRY_BINARY,
+                    "serve",
+                    str(layout.state_dir / "registry.yml"),
+                ],
+                layout.state_dir / "registry.log",
+            )
+        }
+        for node in self.nodes:
+            pids[f"{node}/sshd"] = self._spawn(
+                [
+                    "nsenter",
+                    f"--net={NETNS_DIR / layout.node_netns(node)}",
+                    "--",
+                    "unshare",
+                    "--mount",
+                    "--uts",
+                    "--propagation",
+                    "private",
+                    "--",
+                    sys.executable,
+                    "-S",
+                    "-E",
+                    str(NODEINIT),
+                    str(layout.node_dir(node)),
+                    node,
+                ],
+                layout.node_dir(node) / "nodeinit.log",
+            )
+        return pids
+
+    @staticmethod
+    def _spawn(argv: list[str], log_path: Path) -> int:
+        """Start a lab daemon in its own session, so it outlives the `lab up` command."""
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                env={"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")},
+            )
+        # Reaped by _reap_when_done once it exits, so it never lingers as a zombie.
+        _spawned[process.pid] = process
+        return process.pid
+
+    def _wait_until_ready(self, pids: dict[str, int]) -> None:
+        layout = self.layout
+        checks: dict[str, tuple[int, Any]] = {
+            "registry": (pids["registry"], self._registry_answers),
+        }
+        for node in self.nodes:
+            sshd_pid = pids[f"{node}/sshd"]
+            ip = layout.node_ip(node)
+            socket_path = layout.docker_socket(node)
+            checks[f"{node} sshd"] = (sshd_pid, lambda ip=ip: _ssh_banner(ip))
+            checks[f"{node} dockerd"] = (sshd_pid, lambda path=socket_path: _docker_ping(path))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        pending = dict(checks)
+        while pending:
+            for what, (pid, check) in list(pending.items()):
+                if check():
+                    del pending[what]
+                elif not _alive(pid):
+                    raise LabError(f"lab {self.name!r}: {what} died during start; {self._logs()}")
+            if pending and time.monotonic() > deadline:
+                raise LabError(
+                    f"lab {self.name!r}: {', '.join(pending)} not ready after"
+                    f" {READY_TIMEOUT_S} s; {self._logs()}"
+                )
+            if pending:
+                time.sleep(0.05)
+
+    def _registry_answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.layout.registry}/v2/", timeout=1) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+
+    def _logs(self) -> str:
+        logs = [self.layout.state_dir / "registry.log"]
+        for node in self.nodes:
+            node_dir = self.layout.node_dir(node)
+            logs += [node_dir / name for name in ("nodeinit.log", "dockerd.log", "sshd.log")]
+        tails = []
+        for log in logs:
+            if log.exists() and log.stat().st_size:
+                tails.append(f"{log}: {log.read_text(errors='replace').strip()[-400:]}")
+        return "logs: " + (" | ".join(tails) if tails else "all empty")
+
+    def _write_state(self, pids: dict[str, int]) -> None:
+        for node in self.nodes:
+            pid_file = self.layout.node_dir(node) / "run" / "docker.pid"
+            pids[f"{node}/dockerd"] = int(pid_file.read_text())
+        state = {"name": self.name, "nodes": self.nodes, "pids": pids}
+        _write(self.layout.state_file, json.dumps(state, indent=2))
+
+    def _write_inventory(self) -> None:
+        layout = self.layout
+        text = (
+            f"# Generated by `python -m lab up --name {self.name}`; removed by `lab down`.\n"
+            f"name = {_toml_value(self.name)}\n"
+            f'known_hosts = "{layout.known_hosts.name}"\n\n'
+            + _toml_table(
+                "[ssh]",
+                {
+                    "user": "root",
+                    "port": 22,
+                    "identity_file": layout.identity_file.name,
+                    "connect_timeout_s": 10,
+                },
+            )
+            + "\n"
+            + _toml_table(
+                "[node_defaults]",
+                {
+                    "gpus": 1,
+                    "fabric_netdev": FABRIC_NETDEV,
+                    # The lab's fabric is a veth: no RDMA devices, NCCL runs over sockets.
+                    "roce_hcas": [],
+                    "gid_index": "auto",
+                },
+            )
+            + "".join(
+                "\n"
+                + _toml_table(
+                    "[[nodes]]",
+                    {"name": node, "host": layout.node_ip(node), "fabric_ip": layout.node_ip(node)},
+                )
+                for node in self.nodes
+            )
+            + "\n"
+            + _toml_table(
+                "[nas]",
+                {
+                    "hf_cache": str(layout.nas_dir / "hf-cache"),
+                    "runs_dir": str(layout.nas_dir / "runs"),
+                },
+            )
+            + "\n"
+            + _toml_table(
+                "[node_paths]",
+                {
+                    "engram_root": "/var/tmp/engram-local",
+                    "composed_root": "/var/tmp/sparkdeploy/composed",
+                },
+            )
+            + "\n"
+            + _toml_table(
+                "[docker]",
+                {
+                    "gpus": "",
+                    "run_options": [],
+                    "registry": layout.registry,
+                    "drop_page_cache": False,
+                },
+            )
+            + "\n"
+            + _toml_table(
+                "[nccl.lab]",
+                {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": FABRIC_NETDEV},
+            )
+        )
+        _write(layout.inventory_path, text)
+
+    # ---------------------------------------------------------------- down
+
+    def down(self) -> float:
+        """Remove every trace of the lab (also of a crashed one); returns the seconds it took."""
+        started = time.monotonic()
+        netns_names = self._existing_netns()
+        cgroup_dirs = self._existing_cgroup_dirs()
+        self._remove_containers()
+        self._stop_processes(netns_names, cgroup_dirs)
+        for directory in cgroup_dirs:
+            _remove_cgroup_tree(directory)
+        if netns_names:
+            _ip_batch([f"netns delete {name}" for name in netns_names])
+        if (Path("/sys/class/net") / self.layout.host_link).exists():
+            run(["ip", "link", "delete", self.layout.host_link])
+        self._unmount_leftovers()
+        shutil.rmtree(self.layout.state_dir, ignore_errors=True)
+        if self.layout.state_dir.exists():
+            raise LabError(f"lab {self.name!r}: could not remove {self.layout.state_dir}")
+        return time.monotonic() - started
+
+    def remains(self) -> list[str]:
+        """What of this lab exists on the machine: namespaces, cgroup dirs, state, processes."""
+        found = [f"netns {name}" for name in self._existing_netns()]
+        found += [f"cgroup {path}" for path in self._existing_cgroup_dirs()]
+        if (Path("/sys/class/net") / self.layout.host_link).exists():
+            found.append(f"link {self.layout.host_link}")
+        if self.layout.state_dir.exists():
+            found.append(f"dir {self.layout.state_dir}")
+        found += [f"mount {mount}" for mount in self._leftover_mounts()]
+        return found
+
+    def _existing_netns(self) -> list[str]:
+        pattern = re.compile(rf"{re.escape(self.layout.netns_prefix)}(net|node\d+)")
+        if not NETNS_DIR.is_dir():
+            return []
+        return sorted(entry.name for entry in NETNS_DIR.iterdir() if pattern.fullmatch(entry.name))
+
+    def _existing_cgroup_dirs(self) -> list[Path]:
+        pattern = re.compile(rf"{re.escape(self.layout.cgroup_prefix)}node\d+")
+        found = []
+        for hierarchy in _cgroup_hierarchies():
+            found += [entry for entry in hierarchy.iterdir() if pattern.fullmatch(entry.name)]
+        return sorted(found)
+
+    def _remove_containers(self) -> None:
+        """Containers go through their dockerd first, so it cleans its mounts and cgroups."""
+        sockets = sorted(self.layout.state_dir.glob("node*/run/docker.sock"))
+        with ThreadPoolExecutor(max_workers=max(1, len(sockets))) as pool:
+            list(pool.map(_remove_all_containers, sockets))
+
+    def _stop_processes(self, netns_names: list[str], cgroup_dirs: list[Path]) -> None:
+        pids: set[int] = set()
+        for name in netns_names:
+            pids.update(int(pid) for pid in run(["ip", "netns", "pids", name]).split())
+        for directory in cgroup_dirs:
+            pids.update(_cgroup_pids(directory))
+        pids.discard(os.getpid())
+        _terminate(pids)
+
+    def _leftover_mounts(self) -> list[str]:
+        state_dir = str(self.layout.state_dir)
+        mounts = []
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            mount_point = line.split()[4]
+            if mount_point == state_dir or mount_point.startswith(state_dir + "/"):
+                mounts.append(mount_point)
+        return mounts
+
+    def _unmount_leftovers(self) -> None:
+        for mount_point in sorted(self._leftover_mounts(), reverse=True):
+            run(["umount", "--lazy", mount_point])
+
+    # ---------------------------------------------------------------- status
+
+    def status(self) -> dict[str, Any]:
+        """The lab's addresses and which of its recorded processes are alive."""
+        layout = self.layout
+        state = json.loads(layout.state_file.read_text()) if layout.state_file.exists() else None
+        return {
+            "name": self.name,
+            "up": state is not None,
+            "subnet": layout.subnet,
+            "host_ip": layout.host_ip,
+            "registry": layout.registry,
+            "inventory": str(layout.inventory_path),
+            "nas": str(layout.nas_dir),
+            "nodes": {node: layout.node_ip(node) for node in self.nodes},
+            "processes": {
+                what: {"pid": pid, "alive": _alive(pid)}
+                for what, pid in (state["pids"].items() if state else [])
+            },
+            "remains": [] if state else self.remains(),
+        }
+
+
+_spawned: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _check_prerequisites() -> None:
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root (network namespaces, mounts, dockerd): run it as root")
+    missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+    if not Path(REGISTRY_BINARY).exists():
+        missing.append(REGISTRY_BINARY)
+    if missing:
+        raise LabError(
+            f"the lab needs {', '.join(missing)}: run scripts/setup (installs docker.io"
+            " openssh-server docker-registry busybox-static iproute2)"
+        )
+
+
+def _cgroup_hierarchies() -> list[Path]:
+    """Every mounted cgroup hierarchy (v1 controllers, named ones and the v2 tree)."""
+    hierarchies = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, mount_point, fstype, *_ = line.split()
+        if fstype in ("cgroup", "cgroup2") and mount_point.startswith(str(CGROUP_ROOT)):
+            hierarchies.append(Path(mount_point))
+    return hierarchies
+
+
+def _cgroup_pids(directory: Path) -> set[int]:
+    pids: set[int] = set()
+    for procs in directory.rglob("cgroup.procs"):
+        try:
+            pids.update(int(pid) for pid in procs.read_text().split())
+        except OSError:
+            continue
+    return pids
+
+
+def _remove_cgroup_tree(directory: Path) -> None:
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for current, _, _ in sorted(os.walk(directory, topdown=False), key=lambda w: -len(w[0])):
+        while True:
+            try:
+                os.rmdir(current)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as error:
+                # EBUSY while the last task of a just-killed container is still exiting.
+                if time.monotonic() > deadline:
+                    raise LabError(f"cannot remove cgroup dir {current}: {error}") from error
+                time.sleep(0.02)
+
+
+def _remove_all_containers(socket_path: Path) -> None:
+    try:
+        containers = unixhttp.request_json(socket_path, "GET", "/containers/json?all=1", timeout=5)
+        for container in containers:
+            unixhttp.request(
+                socket_path, "DELETE", f"/containers/{container['Id']}?force=1&v=1", timeout=10
+            )
+    except OSError:
+        # No dockerd behind the socket (crashed lab): its containers die with the cgroup sweep.
+        return
+
+
+def _alive(pid: int) -> bool:
+    process = _spawned.get(pid)
+    if process is not None:
+        return process.poll() is None
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _signal_all(pids: Iterable[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            continue
+
+
+def _terminate(pids: set[int]) -> None:
+    """SIGTERM, then SIGKILL what is left after STOP_TIMEOUT_S; waits until all are gone."""
+    _signal_all(pids, signal.SIGTERM)
+    for signum in (signal.SIGKILL, None):
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while pids and time.monotonic() < deadline:
+            pids = {pid for pid in pids if _alive(pid)}
+            if pids:
+                time.sleep(0.02)
+        if not pids:
+            break
+        if signum is None:
+            raise LabError(f"lab processes {sorted(pids)} survived SIGKILL")
+        _signal_all(pids, signum)
+    for pid in list(_spawned):
+        if _spawned[pid].poll() is not None:
+            del _spawned[pid]
+
+
+def _ssh_banner(ip: str) -> bool:
+    try:
+        with socket.create_connection((ip, 22), timeout=1) as connection:
+            return connection.recv(4).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+def _docker_ping(socket_path: Path) -> bool:
+    try:
+        status, _ = unixhttp.request(socket_path, "GET", "/_ping", timeout=1)
+    except OSError:
+        return False
+    return status == 200
+
+
+__all__ = ["REGISTRY_PORT", "Lab"]

@@ -1,0 +1,143 @@
+"""Names, addresses and paths of one lab, all derived from its name.
+
+Two labs with different names (say one per person, or the test suite's next to a demo's) get
+different namespaces, host link, cgroup dirs, state dir and /24, so they can run side by side.
+The /24 lives in 10.64.0.0/10 and is only ever configured inside namespaces the lab creates,
+plus the host end of the one veth that reaches the lab's bridge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkdeploy.errors import LabError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_NAME = "lab"
+DEFAULT_NODES = 3
+MAX_NODES = 32
+FABRIC_NETDEV = "enp1s0f1np1"
+REGISTRY_PORT = 5000
+ENGINE_IMAGE = "lab/vllm-standin"
+_NAME_PATTERN = re.compile(r"[a-z][a-z0-9-]{0,19}")
+
+
+@dataclass(frozen=True)
+class LabLayout:
+    name: str
+    node_count: int
+    state_root: Path = REPO_ROOT / ".lab"
+
+    def __post_init__(self) -> None:
+        if not _NAME_PATTERN.fullmatch(self.name):
+            raise LabError(
+                f"lab name {self.name!r} is not usable: it names namespaces and cgroup dirs, so it"
+                " must be 1-20 characters of a-z, 0-9 and '-', starting with a letter"
+                " (e.g. --name lab2)"
+            )
+        if not 1 <= self.node_count <= MAX_NODES:
+            raise LabError(
+                f"--nodes {self.node_count} is out of range for lab {self.name!r}: choose 1 to"
+                f" {MAX_NODES}"
+            )
+
+    @property
+    def _digest(self) -> bytes:
+        return hashlib.sha256(self.name.encode()).digest()
+
+    @property
+    def subnet_prefix(self) -> str:
+        """The first three octets of the lab's /24, e.g. '10.93.17'."""
+        return f"10.{64 + self._digest[0] % 64}.{self._digest[1]}"
+
+    @property
+    def subnet(self) -> str:
+        return f"{self.subnet_prefix}.0/24"
+
+    @property
+    def host_ip(self) -> str:
+        return f"{self.subnet_prefix}.1"
+
+    @property
+    def registry_ip(self) -> str:
+        return f"{self.subnet_prefix}.2"
+
+    @property
+    def registry(self) -> str:
+        return f"{self.registry_ip}:{REGISTRY_PORT}"
+
+    @property
+    def host_link(self) -> str:
+        """Host end of the veth into the bridge namespace (interface names are <= 15 chars)."""
+        return f"lab{self._digest.hex()[:8]}"
+
+    @property
+    def bridge_netns(self) -> str:
+        return f"lab-{self.name}-net"
+
+    @property
+    def node_names(self) -> list[str]:
+        return [f"node{rank + 1}" for rank in range(self.node_count)]
+
+    def node_ip(self, node: str) -> str:
+        return f"{self.subnet_prefix}.{10 + self._node_number(node)}"
+
+    def node_netns(self, node: str) -> str:
+        return f"lab-{self.name}-{node}"
+
+    def node_bridge_port(self, node: str) -> str:
+        return f"port{self._node_number(node)}"
+
+    def cgroup_parent(self, node: str) -> str:
+        """The cgroup dir (in every hierarchy) under which the node's dockerd puts containers."""
+        return f"lab-{self.name}-{node}"
+
+    @property
+    def cgroup_prefix(self) -> str:
+        return f"lab-{self.name}-"
+
+    @property
+    def netns_prefix(self) -> str:
+        return f"lab-{self.name}-"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.state_root / self.name
+
+    def node_dir(self, node: str) -> Path:
+        return self.state_dir / node
+
+    @property
+    def nas_dir(self) -> Path:
+        return self.state_dir / "nas"
+
+    @property
+    def inventory_path(self) -> Path:
+        return self.state_dir / "cluster.toml"
+
+    @property
+    def identity_file(self) -> Path:
+        return self.state_dir / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.state_dir / "known_hosts"
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / "state.json"
+
+    def docker_socket(self, node: str) -> Path:
+        """The node's /run/docker.sock as the host sees it (the node's /run is a bind of this)."""
+        return self.node_dir(node) / "run" / "docker.sock"
+
+    def _node_number(self, node: str) -> int:
+        if node not in self.node_names:
+            raise LabError(
+                f"lab {self.name!r} has no node {node!r}; its nodes are"
+                f" {', '.join(self.node_names)}"
+            )
+        return int(node.removeprefix("node"))

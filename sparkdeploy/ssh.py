@@ -1,0 +1,307 @@
+"""SSH to the nodes: paramiko connections, commands as argv lists, fan-out over nodes.
+
+A command is always an argv list; it reaches the node's shell only as `shlex.join(argv)`, so no
+value (from a recipe or anywhere else) is ever interpreted by that shell. Host keys must be in
+the inventory's known_hosts file (RejectPolicy), authentication is by key only, and every
+command has a timeout. Connect failures that may pass (refused, reset, timed out) are retried
+here, with backoff, and nowhere else; they surface as TransientRemoteError when they persist.
+"""
+
+from __future__ import annotations
+
+import shlex
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import paramiko
+
+from sparkdeploy.errors import RemoteError, TransientRemoteError
+
+T = TypeVar("T")
+
+BACKOFF_S = 0.5
+STDERR_TAIL_CHARS = 2000
+_READ_CHUNK = 65536
+# Reads the program's source off stdin (length in argv[1]), then runs it as __main__ with
+# argv[1:] = the caller's args and the rest of stdin left for the program.
+_PYTHON_BOOTSTRAP = (
+    "import sys; size = int(sys.argv[1]); source = sys.stdin.buffer.read(size); "
+    "sys.argv = ['-c', *sys.argv[2:]]; "
+    "exec(compile(source, '<sparkdeploy>', 'exec'), {'__name__': '__main__'})"
+)
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    host: str
+    port: int
+    user: str
+    identity_file: str
+    known_hosts: str
+    connect_timeout_s: float = 10
+
+    def __str__(self) -> str:
+        return f"{self.user}@{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    argv: tuple[str, ...]
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+
+
+class Connection:
+    """One SSH connection to one node. Thread-safe: each command opens its own channel."""
+
+    def __init__(self, target: SshTarget, client: paramiko.SSHClient) -> None:
+        self.target = target
+        self._client = client
+
+    @property
+    def is_active(self) -> bool:
+        transport = self._client.get_transport()
+        return transport is not None and transport.is_active()
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        stdin: bytes | None = None,
+        check: bool = True,
+    ) -> CommandResult:
+        """Run argv on the node; RemoteError on a non-zero exit (with check) or the timeout."""
+        argv = tuple(argv)
+        if not argv:
+            raise ValueError("run() needs a non-empty argv")
+        command = shlex.join(argv)
+        transport = self._client.get_transport()
+        if transport is None or not transport.is_active():
+            raise TransientRemoteError(
+                f"{self.target}: the SSH connection is closed; reconnect with"
+                " sparkdeploy.ssh.connect()"
+            )
+        try:
+            channel = transport.open_session(timeout=self.target.connect_timeout_s)
+        except (paramiko.SSHException, OSError) as error:
+            raise TransientRemoteError(
+                f"{self.target}: cannot open an SSH channel for `{command}`: {error}"
+            ) from error
+        try:
+            return self._exchange(channel, argv, command, timeout, stdin, check)
+        finally:
+            channel.close()
+
+    def _exchange(
+        self,
+        channel: paramiko.Channel,
+        argv: tuple[str, ...],
+        command: str,
+        timeout: float,
+        stdin: bytes | None,
+        check: bool,
+    ) -> CommandResult:
+        deadline = time.monotonic() + timeout
+        channel.settimeout(timeout)
+        channel.exec_command(command)
+        if stdin:
+            channel.sendall(stdin)
+        channel.shutdown_write()
+        stdout, stderr = bytearray(), bytearray()
+        channel.settimeout(0.2)
+        while True:
+            progressed = False
+            if channel.recv_ready():
+                stdout += channel.recv(_READ_CHUNK)
+                progressed = True
+            if channel.recv_stderr_ready():
+                stderr += channel.recv_stderr(_READ_CHUNK)
+                progressed = True
+            drained = not channel.recv_ready() and not channel.recv_stderr_ready()
+            if channel.exit_status_ready() and drained:
+                break
+            if time.monotonic() > deadline:
+                raise RemoteError(
+                    f"{self.target}: `{command}` did not finish within {timeout} s"
+                    f" (stderr so far: {_tail(stderr)})"
+                )
+            if not progressed:
+                channel.status_event.wait(0.05)
+        result = CommandResult(argv, channel.recv_exit_status(), bytes(stdout), bytes(stderr))
+        if check and result.exit_code != 0:
+            raise RemoteError(
+                f"{self.target}: `{command}` exited {result.exit_code}; stderr: {_tail(stderr)}"
+            )
+        return result
+
+    def run_python(
+        self,
+        source: str,
+        args: Sequence[str],
+        *,
+        timeout: float,
+        stdin: bytes | None = None,
+        check: bool = True,
+    ) -> CommandResult:
+        """Run `source` with the node's python3; sys.argv[1:] = args, stdin follows the source.
+
+        The source travels on stdin ahead of the program's own stdin (its length in argv), so
+        its size is not bounded by the kernel's per-argument limit and it needs no quoting.
+        """
+        encoded = source.encode()
+        return self.run(
+            ["python3", "-c", _PYTHON_BOOTSTRAP, str(len(encoded)), *args],
+            timeout=timeout,
+            stdin=encoded + (stdin or b""),
+            check=check,
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def _tail(data: bytes | bytearray) -> str:
+    text = bytes(data).decode(errors="replace").strip()
+    return repr(text[-STDERR_TAIL_CHARS:]) if text else "(empty)"
+
+
+def _open_client(target: SshTarget) -> paramiko.SSHClient:
+    known_hosts = Path(target.known_hosts).expanduser()
+    identity_file = Path(target.identity_file).expanduser()
+    client = paramiko.SSHClient()
+    try:
+        client.load_host_keys(str(known_hosts))
+    except OSError as error:
+        raise RemoteError(
+            f"{target}: cannot read known_hosts {known_hosts}: {error}; point the inventory's"
+            " known_hosts at a file holding the node's host key"
+        ) from error
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    try:
+        client.connect(
+            target.host,
+            port=target.port,
+            username=target.user,
+            key_filename=str(identity_file),
+            timeout=target.connect_timeout_s,
+            banner_timeout=target.connect_timeout_s,
+            auth_timeout=target.connect_timeout_s,
+            allow_agent=False,
+            look_for_keys=False,
+        )
+    except (TimeoutError, ConnectionError, EOFError) as error:
+        client.close()
+        raise TransientRemoteError(f"{target}: cannot connect: {error!r}") from error
+    except paramiko.BadHostKeyException as error:
+        client.close()
+        raise RemoteError(
+            f"{target}: host key differs from {known_hosts}: {error}; check the node, then"
+            " update known_hosts"
+        ) from error
+    except paramiko.AuthenticationException as error:
+        client.close()
+        raise RemoteError(
+            f"{target}: key authentication with {identity_file} failed: {error}; install the"
+            f" public key in {target.user}'s authorized_keys on the node"
+        ) from error
+    except paramiko.SSHException as error:
+        client.close()
+        if "not found in known_hosts" in str(error):
+            raise RemoteError(
+                f"{target}: host key not in {known_hosts}; add the node's key there"
+                f" (ssh-keyscan -p {target.port} {target.host} >> {known_hosts})"
+            ) from error
+        raise TransientRemoteError(f"{target}: SSH handshake failed: {error}") from error
+    except OSError as error:
+        client.close()
+        if isinstance(error, FileNotFoundError) or not identity_file.exists():
+            raise RemoteError(
+                f"{target}: identity_file {identity_file} cannot be read: {error}"
+            ) from error
+        raise TransientRemoteError(f"{target}: cannot connect: {error!r}") from error
+    return client
+
+
+def connect(target: SshTarget, *, attempts: int = 3) -> Connection:
+    """A new connection; transient connect failures are retried with exponential backoff."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return Connection(target, _open_client(target))
+        except TransientRemoteError:
+            if attempt == attempts:
+                raise
+            time.sleep(BACKOFF_S * 2 ** (attempt - 1))
+    raise ValueError(f"connect() needs attempts >= 1, got {attempts}")
+
+
+_cache: dict[SshTarget, Connection] = {}
+_cache_lock = threading.Lock()
+
+
+def cached_connection(target: SshTarget) -> Connection:
+    """This process's open connection to target, (re)connecting when there is none or it died.
+
+    Callers must not close it; close_cached() does, e.g. at the end of a task.
+    """
+    with _cache_lock:
+        connection = _cache.get(target)
+        if connection is not None and connection.is_active:
+            return connection
+    fresh = connect(target)
+    with _cache_lock:
+        previous = _cache.get(target)
+        if previous is not None and previous.is_active:
+            fresh.close()
+            return previous
+        _cache[target] = fresh
+        return fresh
+
+
+def close_cached() -> None:
+    with _cache_lock:
+        connections = list(_cache.values())
+        _cache.clear()
+    for connection in connections:
+        connection.close()
+
+
+def on_all(
+    targets: Mapping[str, SshTarget],
+    fn: Callable[[Connection], T],
+    *,
+    max_parallel: int = 16,
+) -> dict[str, T]:
+    """fn on every node at once (cached connections); results by node name, in targets' order.
+
+    The first failure is raised after every node has finished, its message naming the node.
+    """
+    if not targets:
+        return {}
+
+    def on_node(target: SshTarget) -> T:
+        return fn(cached_connection(target))
+
+    with ThreadPoolExecutor(max_workers=min(max_parallel, len(targets))) as pool:
+        futures = {name: pool.submit(on_node, target) for name, target in targets.items()}
+    results: dict[str, T] = {}
+    for name, future in futures.items():
+        error = future.exception()
+        if error is not None:
+            if isinstance(error, RemoteError):
+                raise type(error)(f"node {name}: {error}") from error
+            raise error
+        results[name] = future.result()
+    return results
