@@ -173,6 +173,14 @@ def copy_mismatches(expected: str, reply: str) -> list[str]:
     ]
 
 
+def copied_share(expected: str, reply: str) -> float:
+    """Share of the words of `expected` that the reply has, in order."""
+    want = [word.lower() for word in _WORD.findall(expected)]
+    got = [word.lower() for word in _WORD.findall(reply)]
+    matcher = difflib.SequenceMatcher(a=want, b=got, autojunk=False)
+    return sum(block.size for block in matcher.get_matching_blocks()) / max(len(want), 1)
+
+
 def numbers_in(text: str) -> list[str]:
     return [number.replace(",", "") for number in re.findall(r"-?\d[\d,]*", text)]
 
@@ -238,8 +246,10 @@ COPY_SENTENCE = (
     "The lighthouse keeper carefully polished the enormous brass lantern every evening before "
     "sunset."
 )
+# Below this share of the sentence's words the reply is no copy at all, not a copy with typos.
+COPY_MIN_SHARE = 0.5
 COPY_PROMPT = f"Repeat the following sentence exactly, with no other text:\n{COPY_SENTENCE}"
-TOOL_PROMPT = "What is the weather in Paris right now? Use the get_weather tool."
+TOOL_PROMPT = "Use the get_weather tool: what is the weather in Paris right now?"
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -565,7 +575,9 @@ def _copy_check(reply: Reply) -> SmokeCheck:
     problem = _reply_problem(reply)
     if problem is None:
         changes = copy_mismatches(COPY_SENTENCE, reply.content)
-        if changes:
+        if copied_share(COPY_SENTENCE, reply.content) < COPY_MIN_SHARE:
+            problem = f"did not repeat the sentence: got {_excerpt(reply.content)}"
+        elif changes:
             problem = f"copied with {len(changes)} change(s) (typos?): {'; '.join(changes[:5])}"
     if problem:
         return SmokeCheck("exact_copy", False, problem, {"seconds": round(reply.seconds, 3)})

@@ -10,6 +10,7 @@ from sparkdeploy.smoke import (
     COPY_SENTENCE,
     SmokeCheck,
     SmokeReport,
+    copied_share,
     copy_mismatches,
     detect_garbled,
     detect_repetition,
@@ -132,6 +133,12 @@ def test_copy_mismatches_names_typos_and_ignores_framing() -> None:
         "'enormous' -> 'enormus'",
     ]
     assert copy_mismatches(COPY_SENTENCE, "The lighthouse keeper.")  # most of it dropped
+
+
+def test_copied_share_tells_a_copy_with_typos_from_no_copy() -> None:
+    typo = COPY_SENTENCE.replace("carefully", "carefuly")
+    assert copied_share(COPY_SENTENCE, typo) == pytest.approx(12 / 13)
+    assert copied_share(COPY_SENTENCE, "You asked about repeat, following, sentence.") < 0.5
 
 
 @pytest.mark.parametrize(

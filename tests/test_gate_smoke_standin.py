@@ -1,0 +1,295 @@
+"""The gate and the smoke test against the lab's engine stand-in, run as local processes.
+
+Each engine is `python lab/engine/vllm_standin.py serve ...` on 127.0.0.1 with a free port, an HF
+cache holding a lab.tinymodel repo, and STANDIN_FAULT for the failure under test. Its stdout is
+fed to the gate the way `docker logs -f` is in the field; its exit code (a SIGKILL read as 137,
+as docker reports it) becomes the ContainerExited event. Every process is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from hfcache_layout import cache_repo
+
+from lab.engine import standin_answers
+from lab.tinymodel import generate_repo
+from sparkdeploy.errors import BootFailed
+from sparkdeploy.gate import GateEvent, GateResult, ReadinessGate, follow_lines
+from sparkdeploy.smoke import COPY_PROMPT, COPY_SENTENCE, SmokeReport, SmokeSettings, run_smoke
+from sparkdeploy.vllm_markers import DEFAULT_FAILURE_MARKERS, Marker
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STANDIN = REPO_ROOT / "lab" / "engine" / "vllm_standin.py"
+MODEL = "lab/tiny-chat"
+SERVED = "tiny"
+STOP_TIMEOUT_S = 5.0
+GOOD_BOOT_TIMEOUT_S = 30.0
+GLM_SMOKE = {"reasoning_effort": "low"}
+SERVE_FLAGS = [
+    "--reasoning-parser",
+    "glm45",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "glm47",
+]
+
+
+# The exact-copy check needs an engine that follows "repeat this sentence"; until the stand-in
+# does, that check must fail on it (and only that one), which these tests assert.
+NOT_FOLLOWED_BY_STANDIN = (
+    [] if COPY_SENTENCE in standin_answers.answer(COPY_PROMPT) else ["exact_copy"]
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def docker_exit_code(returncode: int) -> int:
+    """A process killed by signal N exits -N for Popen and 128+N for docker."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@pytest.fixture(scope="module")
+def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("standin")
+    repo = generate_repo(root / "repos", MODEL)
+    cache = root / "hf-cache"
+    cache_repo(repo, cache)
+    return cache
+
+
+@dataclass
+class Engines:
+    """Stand-in processes of one test; all stopped at its end."""
+
+    hf_cache: Path
+    events: queue.Queue[GateEvent] = field(default_factory=queue.Queue)
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(
+        self,
+        node: str,
+        args: Sequence[str],
+        *,
+        fault: str = "",
+        env: dict[str, str] | None = None,
+    ) -> None:
+        process = subprocess.Popen(
+            [sys.executable, str(STANDIN), "serve", MODEL, "--host", "127.0.0.1", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={
+                **os.environ,
+                "PYTHONPATH": str(REPO_ROOT),
+                "HF_HUB_CACHE": str(self.hf_cache),
+                "HF_HUB_OFFLINE": "1",
+                "STANDIN_FAULT": fault,
+                **(env or {}),
+            },
+            start_new_session=True,
+        )
+        self.processes.append(process)
+        assert process.stdout is not None
+        follow_lines(
+            self.events,
+            node,
+            process.stdout,
+            lambda: docker_exit_code(process.wait(timeout=STOP_TIMEOUT_S)),
+        )
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=STOP_TIMEOUT_S)
+
+
+@pytest.fixture
+def engines(hf_cache: Path) -> Iterator[Engines]:
+    running = Engines(hf_cache)
+    yield running
+    running.stop()
+    assert all(process.poll() is not None for process in running.processes)
+
+
+def boot_one(
+    engines: Engines, *, fault: str = "", env: dict[str, str] | None = None
+) -> tuple[ReadinessGate, str]:
+    port = free_port()
+    gate = ReadinessGate(head="head")
+    engines.start(
+        "head",
+        ["--port", str(port), "--served-model-name", SERVED, *SERVE_FLAGS],
+        fault=fault,
+        env=env,
+    )
+    return gate, f"http://127.0.0.1:{port}"
+
+
+def wait(gate: ReadinessGate, engines: Engines, endpoint: str, timeout_s: float) -> GateResult:
+    return gate.wait(
+        engines.events, endpoint=endpoint, served_model_name=SERVED, timeout_s=timeout_s
+    )
+
+
+def smoke(endpoint: str) -> SmokeReport:
+    return run_smoke(
+        SmokeSettings(
+            endpoint,
+            SERVED,
+            chat_template_kwargs=GLM_SMOKE,
+            tool_calls=True,
+            reasoning=True,
+            request_timeout_s=5.0,
+        )
+    )
+
+
+def test_good_boot_is_ready_with_its_timeline(engines: Engines) -> None:
+    gate, endpoint = boot_one(engines)
+    result = wait(gate, engines, endpoint, GOOD_BOOT_TIMEOUT_S)
+    markers = [entry.marker for entry in result.timeline]
+    assert markers[0] == "weights_loaded" and markers[-2:] == [
+        "application_ready",
+        "endpoint_ready",
+    ]
+    assert result.figures["kv_cache_tokens"] > 0 and result.figures["max_concurrency"] > 0
+    assert {"weights_load_s", "model_load_gib", "kv_cache_gib", "init_engine_s"} <= set(
+        result.figures
+    )
+
+
+def test_two_node_boot_waits_for_the_headless_worker(engines: Engines) -> None:
+    port, master_port = free_port(), free_port()
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
+    common += ["--tensor-parallel-size", "2", "--served-model-name", SERVED]
+    gate = ReadinessGate(head="node1", workers=["node2"])
+    engines.start("node1", [*common, "--node-rank", "0", "--port", str(port)])
+    engines.start("node2", [*common, "--node-rank", "1", "--headless"])
+    result = wait(gate, engines, f"http://127.0.0.1:{port}", GOOD_BOOT_TIMEOUT_S)
+    joined = [entry for entry in result.timeline if entry.marker == "headless_worker_joined"]
+    assert [entry.node for entry in joined] == ["node2"]
+
+
+@pytest.mark.parametrize(
+    ("fatal", "kind", "quoted"),
+    [
+        ("free_memory", "free_memory_below_utilization", "Free memory on device cuda:0"),
+        ("cuda_oom", "cuda_out_of_memory", "CUDA out of memory"),
+        ("kv_cache_needed", "kv_cache_too_small_for_max_len", "max seq len (524288)"),
+        ("no_cache_blocks", "no_kv_cache_memory", "No available memory for the cache blocks"),
+        ("engine_timeout", "engine_ready_timeout", "Timed out waiting for engine core"),
+        ("dist_network", "distributed_connect_timeout", "trying to connect to"),
+        # The final RuntimeError only points up: the gate quotes the ValueError above it.
+        ("glm_mla_stride", "engine_core_init_failed", "GLM MLA parent-page stride"),
+        ("engine_core_failed", "engine_core_init_failed", "Engine core initialization failed"),
+    ],
+)
+def test_fatal_lines_fail_the_gate_naming_the_cause(
+    engines: Engines, fatal: str, kind: str, quoted: str
+) -> None:
+    gate, endpoint = boot_one(engines, fault=f"fatal:{fatal}")
+    with pytest.raises(BootFailed) as caught:
+        wait(gate, engines, endpoint, GOOD_BOOT_TIMEOUT_S)
+    error = caught.value
+    assert (error.node, error.kind) == ("head", kind)
+    assert quoted in error.cause and any(quoted in line for line in error.excerpt)
+
+
+def test_recipe_failure_marker_catches_a_broken_quantprobe(engines: Engines) -> None:
+    port = free_port()
+    gate = ReadinessGate(
+        head="head",
+        failure_markers=[
+            *DEFAULT_FAILURE_MARKERS,
+            Marker("quantprobe_broken", r"\[quantprobe\].*algo=None"),
+        ],
+    )
+    engines.start(
+        "head",
+        ["--port", str(port), "--served-model-name", SERVED],
+        env={"STANDIN_QUANTPROBE": "None"},
+    )
+    with pytest.raises(BootFailed) as caught:
+        wait(gate, engines, f"http://127.0.0.1:{port}", GOOD_BOOT_TIMEOUT_S)
+    assert caught.value.kind == "quantprobe_broken"
+
+
+def test_exit_137_is_named_an_oom_kill(engines: Engines) -> None:
+    gate, endpoint = boot_one(engines, fault="exit137")
+    with pytest.raises(BootFailed) as caught:
+        wait(gate, engines, endpoint, GOOD_BOOT_TIMEOUT_S)
+    assert (caught.value.node, caught.value.kind) == ("head", "oom_killed")
+    assert "OOM-killed" in str(caught.value)
+
+
+def test_a_hang_times_out_naming_the_marker_it_waited_for(engines: Engines) -> None:
+    gate, endpoint = boot_one(engines, fault="hang")
+    with pytest.raises(BootFailed) as caught:
+        wait(gate, engines, endpoint, 2.0)
+    assert (caught.value.node, caught.value.kind) == ("head", "timeout")
+    assert "'weights_loaded'" in caught.value.cause
+
+
+def test_smoke_passes_on_a_good_engine(engines: Engines) -> None:
+    gate, endpoint = boot_one(engines)
+    wait(gate, engines, endpoint, GOOD_BOOT_TIMEOUT_S)
+    report = smoke(endpoint)
+    assert [check.name for check in report.failed] == NOT_FOLLOWED_BY_STANDIN, report.table_rows()
+    streaming = report.check("streaming").figures
+    assert streaming["ttft_s"] > 0 and streaming["decode_tok_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("fault", "failed"),
+    [
+        ("token_loop", "no_token_loops"),
+        ("garbled", "no_garbled_text"),
+        ("empty_content", "no_empty_content"),
+        ("bad_after:5", "burst"),
+    ],
+)
+def test_smoke_fails_with_the_named_check(engines: Engines, fault: str, failed: str) -> None:
+    gate, endpoint = boot_one(engines, fault=fault)
+    wait(gate, engines, endpoint, GOOD_BOOT_TIMEOUT_S)
+    report = smoke(endpoint)
+    assert not report.passed
+    assert not report.check(failed).passed, report.table_rows()
+
+
+def test_bad_after_5_passes_the_canaries_and_fails_the_burst_at_its_third_request(
+    engines: Engines,
+) -> None:
+    gate, endpoint = boot_one(engines, fault="bad_after:5")
+    wait(gate, engines, endpoint, GOOD_BOOT_TIMEOUT_S)
+    report = smoke(endpoint)
+    assert all(report.check(name).passed for name in ("canary_multiply", "canary_reverse"))
+    assert report.check("burst").evidence.startswith("request 3 of 8 (#6 overall")
+
+
+def test_a_hang_on_long_prompts_fails_the_long_prompt_check(engines: Engines) -> None:
+    gate, endpoint = boot_one(engines, fault="hang_long_prompt")
+    wait(gate, engines, endpoint, GOOD_BOOT_TIMEOUT_S)
+    report = smoke(endpoint)
+    assert [check.name for check in report.failed] == ["long_prompt", *NOT_FOLLOWED_BY_STANDIN]
+    assert "no answer within" in report.check("long_prompt").evidence
