@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -241,14 +241,16 @@ def index_repo(
     return state
 
 
-@dataclass(frozen=True)
+@dataclass
 class RequestRecord:
+    """One request; status and bytes_sent are filled in before the client can see them."""
+
     method: str
     path: str
-    status: int
-    bytes_sent: int
     range: str | None
     authorized: bool
+    status: int = 0
+    bytes_sent: int = 0
 
 
 @dataclass
@@ -399,7 +401,7 @@ class HubServer:
     def requests(self) -> list[RequestRecord]:
         """The latest requests (lab control aside), oldest first."""
         with self._lock:
-            return list(self._log)
+            return [replace(record) for record in self._log]
 
     def reset_stats(self) -> None:
         with self._lock:
@@ -407,11 +409,20 @@ class HubServer:
             self._request_count = 0
             self._bytes_served = 0
 
-    def _record(self, record: RequestRecord) -> None:
+    def _begin(self, record: RequestRecord) -> None:
         with self._lock:
             self._log.append(record)
             self._request_count += 1
-            self._bytes_served += record.bytes_sent
+
+    def _set_status(self, record: RequestRecord, status: int) -> None:
+        with self._lock:
+            record.status = status
+
+    def _count_bytes(self, record: RequestRecord, count: int) -> None:
+        """Add count body bytes (negative to take back bytes counted but never sent)."""
+        with self._lock:
+            record.bytes_sent += count
+            self._bytes_served += count
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -500,14 +511,17 @@ class _HubHandler(BaseHTTPRequestHandler):
         self._handle("POST")
 
     def _handle(self, method: str) -> None:
-        self._bytes_sent = 0
-        self._status = 500
+        self._record: RequestRecord | None = None
         url = urlsplit(self.path)
         segments = [unquote(segment) for segment in url.path.split("/")[1:]]
         query = {key: values[-1] for key, values in parse_qs(url.query).items()}
         if segments[:1] == ["_lab"]:
             self._lab_control(method, segments[1:])
             return
+        self._record = RequestRecord(
+            method, self.path, self.headers.get("Range"), "Authorization" in self.headers
+        )
+        self.hub._begin(self._record)
         try:
             status = self.hub._take_failure()
             if status is not None:
@@ -517,17 +531,6 @@ class _HubHandler(BaseHTTPRequestHandler):
             self._send_error(method, error)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
-        finally:
-            self.hub._record(
-                RequestRecord(
-                    method,
-                    self.path,
-                    self._status,
-                    self._bytes_sent,
-                    self.headers.get("Range"),
-                    "authorization" in {key.lower() for key in self.headers},
-                )
-            )
 
     def _route(self, method: str, segments: list[str], query: dict[str, str]) -> None:
         if segments[:2] == ["api", "models"] and len(segments) >= 4 and method == "GET":
@@ -665,11 +668,18 @@ class _HubHandler(BaseHTTPRequestHandler):
                 position = offset
                 while position < offset + to_send:
                     count = min(SEND_CHUNK_BYTES, offset + to_send - position)
-                    sent = self.connection.sendfile(handle, position, count)
+                    # Counted before sending, so the stats are complete once the client has
+                    # the bytes; what a broken connection did not take is taken back.
+                    self._count_bytes(count)
+                    try:
+                        sent = self.connection.sendfile(handle, position, count)
+                    except OSError:
+                        self._count_bytes(-count)
+                        raise
+                    self._count_bytes(sent - count)
                     if sent == 0:
                         break
                     position += sent
-                    self._bytes_sent += sent
             else:
                 self._send_paced(handle, offset, to_send, rate)
         if cut is not None and to_send < length:
@@ -686,9 +696,13 @@ class _HubHandler(BaseHTTPRequestHandler):
             data = os.pread(handle.fileno(), min(chunk, to_send - sent), offset + sent)
             if not data:
                 break
-            self.wfile.write(data)
+            self._count_bytes(len(data))
+            try:
+                self.wfile.write(data)
+            except OSError:
+                self._count_bytes(-len(data))
+                raise
             sent += len(data)
-            self._bytes_sent += len(data)
             ahead = sent / rate - (time.monotonic() - started)
             if ahead > 0:
                 time.sleep(ahead)
@@ -728,8 +742,13 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     # --- responses -------------------------------------------------------------------------
 
+    def _count_bytes(self, count: int) -> None:
+        if self._record is not None:
+            self.hub._count_bytes(self._record, count)
+
     def _send_head(self, status: int, headers: Mapping[str, str]) -> None:
-        self._status = status
+        if self._record is not None:
+            self.hub._set_status(self._record, status)
         self.send_response(status)
         for key, value in headers.items():
             self.send_header(key, value)
