@@ -9,13 +9,17 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
+from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
+from lab.hub import HubServer
+from lab.tinymodel import generate_repo
 from sparkdeploy import prefetch as pf
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
 
@@ -255,3 +259,205 @@ def test_hub_errors_map_to_clear_errors_naming_the_repo(
 
 def test_hub_access_repr_hides_the_token() -> None:
     assert "s3cret" not in repr(pf.HubAccess("http://127.0.0.1:1", token="s3cret"))
+
+
+# --- against the lab hub on loopback -----------------------------------------------------------
+
+TINY = "lab-org/tiny"
+
+
+@pytest.fixture
+def repos_dir(tmp_path: Path) -> Path:
+    repos = tmp_path / "repos"
+    generate_repo(repos, TINY, num_shards=3, total_bytes=3 << 20)
+    return repos
+
+
+@pytest.fixture
+def hub(repos_dir: Path) -> Iterator[HubServer]:
+    with HubServer(repos_dir) as server:
+        yield server
+
+
+@pytest.fixture
+def nas(tmp_path: Path) -> Path:
+    path = tmp_path / "nas"
+    path.mkdir()
+    return path
+
+
+def fetch(
+    hub: HubServer, nas: Path, repo: str = TINY, revision: str | None = None, **options: Any
+) -> pf.RepoOutcome:
+    token = options.pop("token", None)
+    [outcome] = pf.prefetch(
+        [pf.RepoSpec(repo, revision)],
+        nas,
+        pf.HubAccess(hub.url, token=token, max_workers=4),
+        **options,
+    )
+    return outcome
+
+
+def snapshot_matches_hub(outcome: pf.RepoOutcome, repos_dir: Path) -> bool:
+    source = repos_dir / outcome.repo
+    return all(
+        (Path(outcome.snapshot_dir) / f.path).read_bytes() == (source / f.path).read_bytes()
+        for f in outcome.files
+    )
+
+
+def test_cold_prefetch_then_warm_rerun_fetches_nothing(
+    hub: HubServer, nas: Path, repos_dir: Path
+) -> None:
+    observer = RecordingObserver()
+    cold = fetch(hub, nas, observer=observer, progress_interval_s=0.01)
+    assert cold.sha == hub.repo_sha(TINY)
+    assert cold.fetched_bytes == cold.total_bytes == hub.bytes_served > 3 << 20
+    assert {f.verified for f in cold.files if f.path.endswith(".safetensors")} == {"sha256"}
+    assert {f.verified for f in cold.files if f.path.endswith(".json")} == {"git-sha1"}
+    assert snapshot_matches_hub(cold, repos_dir)
+    assert (pf.storage_dir(nas, TINY) / "refs" / "main").read_text() == cold.sha
+    assert observer.progress[-1].done_bytes == observer.progress[-1].total_bytes
+    assert observer.progress[-1].eta_s == 0.0
+
+    hub.reset_stats()
+    warm = fetch(hub, nas)
+    assert warm.fetched_bytes == 0 and hub.bytes_served == 0
+    assert hub.request_count == 1  # the revision lookup; the manifest answers the rest
+
+
+def test_pinned_commit_that_is_complete_needs_no_hub(hub: HubServer, nas: Path) -> None:
+    sha = fetch(hub, nas).sha
+    nobody_listens = hub.url
+    hub.stop()
+    [outcome] = pf.prefetch([pf.RepoSpec(TINY, sha)], nas, pf.HubAccess(nobody_listens))
+    assert outcome.fetched_bytes == 0 and outcome.sha == sha
+
+
+def test_corrupt_file_is_fetched_again(hub: HubServer, nas: Path, repos_dir: Path) -> None:
+    first = fetch(hub, nas)
+    victim = next(f for f in first.files if f.path.endswith(".safetensors"))
+    blob = (Path(first.snapshot_dir) / victim.path).resolve()
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    hub.reset_stats()
+    observer = RecordingObserver()
+    again = fetch(hub, nas, observer=observer)
+    assert [f.path for f in again.files if f.fetched] == [victim.path]
+    assert hub.bytes_served == victim.size
+    assert snapshot_matches_hub(again, repos_dir)
+    assert any(victim.path in m and "does not match its sha256" in m for m in observer.messages)
+
+
+def test_truncated_file_is_fetched_again(hub: HubServer, nas: Path, repos_dir: Path) -> None:
+    first = fetch(hub, nas)
+    victim = next(f for f in first.files if f.path == "config.json")
+    (Path(first.snapshot_dir) / victim.path).resolve().write_bytes(b"{}")
+    again = fetch(hub, nas)
+    assert [f.path for f in again.files if f.fetched] == ["config.json"]
+    assert snapshot_matches_hub(again, repos_dir)
+
+
+def test_503_on_the_first_call_is_transient_and_a_retry_completes(
+    hub: HubServer, nas: Path
+) -> None:
+    hub.fail_next(1, 503)
+    with pytest.raises(TransientPrefetchError, match=f"HTTP 503 for {TINY}"):
+        fetch(hub, nas)
+    assert fetch(hub, nas).fetched_bytes > 0
+
+
+def test_503_burst_during_the_download_is_retried_inside(hub: HubServer, nas: Path) -> None:
+    class FailWhenFetchingStarts(RecordingObserver):
+        def on_message(self, message: str) -> None:
+            if "fetching" in message:
+                hub.fail_next(2, 503)
+
+    outcome = fetch(hub, nas, observer=FailWhenFetchingStarts())
+    assert outcome.fetched_bytes == outcome.total_bytes
+    assert [r.status for r in hub.requests()].count(503) == 2
+
+
+def test_cut_mid_file_resumes_with_only_the_missing_part(repos_dir: Path, nas: Path) -> None:
+    # huggingface_hub writes (and so resumes from) whole DOWNLOAD_CHUNK_SIZE chunks: bytes of a
+    # partial chunk in flight at the cut are fetched again, nothing before them.
+    chunk = hf_constants.DOWNLOAD_CHUNK_SIZE
+    generate_repo(repos_dir, "lab-org/big", num_shards=1, total_bytes=3 * chunk, dense_holes=True)
+    cut = chunk + chunk // 2
+    big = [pf.RepoSpec("lab-org/big")]
+    with HubServer(repos_dir) as hub:
+        [first] = pf.prefetch(big, nas, pf.HubAccess(hub.url))
+        shard = next(f for f in first.files if f.path.endswith(".safetensors"))
+        pf._remove_file(Path(first.snapshot_dir) / shard.path)
+        hub.reset_stats()
+        hub.cut_next_file(after_bytes=cut)
+        [outcome] = pf.prefetch(big, nas, pf.HubAccess(hub.url))
+        shard_gets = [r for r in hub.requests() if r.method == "GET" and "/resolve/" in r.path]
+    assert [(r.range, r.bytes_sent) for r in shard_gets] == [
+        (None, cut),
+        (f"bytes={chunk}-", shard.size - chunk),
+    ]
+    assert snapshot_matches_hub(outcome, repos_dir)
+
+
+def test_unknown_repo_and_revision_are_clear_errors(hub: HubServer, nas: Path) -> None:
+    with pytest.raises(PrefetchError, match="lab-org/nope@main not found") as raised:
+        fetch(hub, nas, repo="lab-org/nope")
+    assert not isinstance(raised.value, TransientPrefetchError)
+    with pytest.raises(PrefetchError, match=f"{TINY} has no revision 'v9'"):
+        fetch(hub, nas, revision="v9")
+
+
+def test_gated_repo_names_the_repo_and_the_token_source(repos_dir: Path, nas: Path) -> None:
+    generate_repo(repos_dir, "lab-org/gated", total_bytes=64 << 10, gated_tokens=["hf_good"])
+    with HubServer(repos_dir) as hub:
+        with pytest.raises(PrefetchError, match="lab-org/gated") as anonymous:
+            fetch(hub, nas, repo="lab-org/gated")
+        assert "no token is set" in str(anonymous.value) and "hf-token" in str(anonymous.value)
+        with pytest.raises(PrefetchError, match="has no access") as wrong:
+            fetch(hub, nas, repo="lab-org/gated", token="hf_wrong")
+        assert "hf_wrong" not in str(wrong.value)
+        assert fetch(hub, nas, repo="lab-org/gated", token="hf_good").fetched_bytes > 0
+
+
+def test_two_concurrent_prefetches_download_once(hub: HubServer, nas: Path) -> None:
+    hub.slow(2 << 20)  # per response: about 1.5 s for the largest shard
+    first_observer, second_observer = RecordingObserver(), RecordingObserver()
+    downloading = threading.Event()
+
+    class Signalling(RecordingObserver):
+        def on_progress(self, progress: pf.Progress) -> None:
+            first_observer.on_progress(progress)
+            if progress.done_bytes > 0:
+                downloading.set()
+
+        def on_message(self, message: str) -> None:
+            first_observer.on_message(message)
+
+    results: dict[str, pf.RepoOutcome] = {}
+    first = threading.Thread(
+        target=lambda: results.update(
+            first=fetch(hub, nas, observer=Signalling(), progress_interval_s=0.02)
+        )
+    )
+    first.start()
+    assert downloading.wait(10)
+    results["second"] = fetch(hub, nas, observer=second_observer, lock_wait_s=30)
+    first.join()
+    assert results["first"].fetched_bytes == results["first"].total_bytes
+    assert results["second"].fetched_bytes == 0
+    assert hub.bytes_served == results["first"].total_bytes
+    assert any("waiting for" in m for m in second_observer.messages)
+    assert any("completed by another prefetch" in m for m in second_observer.messages)
+
+
+def test_not_enough_space_fails_before_fetching_anything(
+    hub: HubServer, nas: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    usage = shutil.disk_usage(nas)
+    monkeypatch.setattr(pf.shutil, "disk_usage", lambda _path: usage._replace(free=1 << 20))
+    with pytest.raises(PrefetchError, match=f"needs 3.0 MiB .* more: {TINY} 3.0 MiB"):
+        fetch(hub, nas)
+    assert hub.bytes_served == 0
