@@ -254,10 +254,10 @@ def _duplicates(
     for index, node in enumerate(nodes):
         value = key(node)
         if value in first:
-            other = nodes[first[value]].name
+            earlier = first[value]
             problems.append(
-                f"{where(('nodes', index))}: node {node.name} has the same {what} as node "
-                f"{other}; each node needs its own"
+                f"{where(('nodes', index))}: {what} {value} is already used by nodes[{earlier}] "
+                f"({where(('nodes', earlier))}); each node needs its own"
             )
         else:
             first[value] = index
@@ -298,9 +298,9 @@ def cluster_from_document(document: TomlDocument) -> Cluster:
         if node is not None:
             nodes.append(node)
     if not problems:
-        problems += _duplicates(nodes, lambda n: n.name, "name", document.where)
+        problems += _duplicates(nodes, lambda n: n.name, "node name", document.where)
         problems += _duplicates(
-            nodes, lambda n: (n.host, n.port), "SSH host and port", document.where
+            nodes, lambda n: f"{n.host}:{n.port}", "SSH host:port", document.where
         )
         problems += _duplicates(nodes, lambda n: n.fabric_ip, "fabric_ip", document.where)
     if problems:

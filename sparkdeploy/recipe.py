@@ -75,7 +75,8 @@ class MarkerSpec(_Strict):
             re.compile(pattern)
         except re.error as exc:
             raise ValueError(
-                f"not a valid regular expression ({exc}); escape [ ] ( ) . * + ? with \\\\"
+                f"not a valid regular expression ({exc}); escape a literal [ ] ( ) . * + ? with "
+                "a backslash (in a '...' string TOML keeps backslashes as written)"
             ) from None
         return pattern
 
@@ -221,7 +222,7 @@ class Recipe(_Strict):
                 by_repo[ref.repo] = ref
             elif ref.revision not in (None, known.revision):
                 raise RecipeError(
-                    f"{self.recipe_id}: {ref.repo} is pinned to two revisions "
+                    f"{ref.repo} is pinned to two revisions "
                     f"({known.revision}, {ref.revision}); pin one"
                 )
         return list(by_repo.values())

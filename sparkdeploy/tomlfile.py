@@ -26,6 +26,7 @@ from sparkdeploy.errors import SparkDeployError
 KeyPath = tuple[str | int, ...]
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
 
+_TABLE_HEADER_LINE = re.compile(r"\[\[?[A-Za-z0-9_.\"' -]+\]\]?[ \t]*(#.*)?$", re.M)
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _TOMLLIB_POSITION = re.compile(
     r"^(?P<what>.*) \((?:at line (?P<line>\d+), column (?P<col>\d+)|at end of document)\)$", re.S
@@ -135,6 +136,16 @@ class _Scanner:
                 self.lines[path] = self.line(start)
                 self.expect_equals()
                 self.value(path)
+            self.end_of_statement()
+
+    def end_of_statement(self) -> None:
+        self.skip_blank(newlines=False)
+        if self.pos < len(self.text) and self.peek() != "\n":
+            raise _ScanProblem(
+                self.pos,
+                "unexpected text after the value: one `key = value` per line (a missing quote "
+                "or comma?)",
+            )
 
     def header(self) -> None:
         start = self.pos
@@ -249,6 +260,12 @@ class _Scanner:
             if self.peek() == "]":
                 self.pos += 1
                 return
+            if _TABLE_HEADER_LINE.match(self.text, self.pos) and self.line_col(self.pos)[1] == 1:
+                raise _ScanProblem(
+                    start,
+                    "the array opened on line {line} is never closed: add `]` before the "
+                    f"table header on line {self.line(self.pos)}",
+                )
             self.lines[(*path, element)] = self.line(self.pos)
             self.value((*path, element))
             element += 1
@@ -260,7 +277,11 @@ class _Scanner:
                     raise _ScanProblem(
                         start, "the array opened on line {line} is never closed: add `]`"
                     )
-                raise _ScanProblem(self.pos, "expected `,` or `]` between array elements")
+                raise _ScanProblem(
+                    self.pos,
+                    f"expected `,` or `]` after element {element} of the array opened on line "
+                    f"{self.line(start)} (a missing comma?)",
+                )
 
     def inline_table(self, path: KeyPath) -> None:
         start = self.pos
@@ -382,9 +403,13 @@ def _describe(error: Any) -> str:
         return "required key is missing: add it"
     if kind in ("string_type", "str_type"):
         return f"must be a string: quote it (got {value!r})"
+    if kind == "too_short":
+        return f"{error['msg']}: add at least one"
     if kind == "literal_error":
         return f"{error['msg']} (got {value!r})"
     message = str(error["msg"]).removeprefix("Value error, ")
+    if kind in ("int_type", "float_type", "bool_type") and isinstance(value, str):
+        return f"{message} (got {value!r}: write it without quotes)"
     if isinstance(value, (str, int, float, bool)) and kind != "value_error":
         return f"{message} (got {value!r})"
     return message
