@@ -83,3 +83,19 @@ def _rebuild_boot_failed(
 
 class SmokeFailed(SparkDeployError):
     """The endpoint answered, but badly: at least one smoke check failed (named in the message)."""
+
+
+class ImageError(SparkDeployError):
+    """An engine image cannot be put on every node, or the nodes end up with different images."""
+
+
+class BootError(SparkDeployError):
+    """Containers cannot be started: a node failed preflight, or `docker run` was refused."""
+
+
+class NodeLockError(SparkDeployError):
+    """A node is held by another deployment (named in the message) past the lock timeout."""
+
+
+class TeardownError(SparkDeployError):
+    """A deployment's containers cannot be stopped or their logs cannot be saved."""
