@@ -355,7 +355,9 @@ class ReadinessGate:
                 continue
             failure = watch.observe(event)
             if failure is not None:
-                raise self._with_trailing_lines(failure, events).to_error(self._elapsed())
+                if isinstance(event, LogLine):  # an exited container prints nothing more
+                    failure = self._with_trailing_lines(failure, events)
+                raise failure.to_error(self._elapsed())
 
     def _ready(self) -> GateResult:
         seconds = self._elapsed()

@@ -113,7 +113,9 @@ FAILURE_HINTS: dict[str, str] = {
         "the engine processes did not start in VLLM_ENGINE_READY_TIMEOUT_S: look for a stuck "
         "worker (a worker that met an old head) or raise the timeout for slow loads"
     ),
-    "engine_core_init_failed": "fix the root cause quoted above (the first error in the log)",
+    "engine_core_init_failed": (
+        "fix the root cause: the first error in the log lines above, not the final RuntimeError"
+    ),
     "oom_killed": (
         "the kernel OOM-killed the container: drop the page cache before boot "
         "(docker.drop_page_cache), cap JIT parallelism (MAX_JOBS) or lower memory use"
