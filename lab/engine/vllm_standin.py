@@ -92,8 +92,10 @@ class StandinEngine:
     # -- the boot, in vLLM's order ------------------------------------------------------------
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, _raise_shutdown)
-        signal.signal(signal.SIGINT, _raise_shutdown)
+        previous = {
+            signum: signal.signal(signum, _raise_shutdown)
+            for signum in (signal.SIGTERM, signal.SIGINT)
+        }
         try:
             self.boot()
             return self.serve()
@@ -113,6 +115,8 @@ class StandinEngine:
             return 1
         finally:
             self.close()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     def boot(self) -> None:
         if self.headless:
@@ -174,7 +178,7 @@ class StandinEngine:
 
     def bind_api_port(self) -> StandinServer:
         host = self.args.host or "0.0.0.0"
-        port = self.args.port or 8000
+        port = 8000 if self.args.port is None else self.args.port
         try:
             return StandinServer((host, port))
         except OSError as exc:
