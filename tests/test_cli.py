@@ -1,0 +1,126 @@
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from sparkdeploy.cli import app
+from sparkdeploy.plan import Plan
+
+ROOT = Path(__file__).parent.parent
+BAD = Path(__file__).parent / "fixtures" / "bad"
+runner = CliRunner()
+
+
+def test_validate_all_recipes_and_inventories_of_the_project() -> None:
+    result = runner.invoke(app, ["validate", "--root", str(ROOT), "--no-check-files"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""
+
+
+def test_validate_prints_one_line_per_problem_and_fails() -> None:
+    paths = [
+        BAD / "recipes" / "bad-json.toml",
+        BAD / "clusters" / "no-identity.toml",  # two problems
+        ROOT / "recipes" / "dsv41-flash-eugr-0913-4x",  # a recipe dir: fine
+    ]
+    result = runner.invoke(app, ["validate", *map(str, paths)])
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith(f"{paths[0]}:10: --speculative-config: invalid JSON")
+    assert lines[1].startswith(f"{paths[1]}:9: node node1 has no identity_file")
+    assert lines[2].startswith(f"{paths[1]}:14: node node2 has no identity_file")
+    assert "checked 3 files: 3 problems" in result.stderr
+
+
+def test_validate_checks_identity_files_unless_told_not_to(tmp_path: Path) -> None:
+    inventory = BAD / "clusters" / "missing-identity-file.toml"
+    checked = runner.invoke(app, ["validate", str(inventory)])
+    assert checked.exit_code == 1
+    assert "keys/absent_ed25519 (nodes node1, node2) does not exist" in checked.stdout
+    assert runner.invoke(app, ["validate", "--no-check-files", str(inventory)]).exit_code == 0
+
+
+def test_validate_with_nothing_to_check_fails(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["validate", "--root", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "checked 0 files" in result.stderr
+
+
+def test_plan_prints_a_readable_docker_run_per_node() -> None:
+    result = runner.invoke(
+        app, ["plan", "dsv41-flash-eugr-0913-4x", "--cluster", "dgx-spark-4", "--root", str(ROOT)]
+    )
+    assert result.exit_code == 0, result.output
+    commands = [block for block in result.stdout.split("\n\n") if "docker run" in block]
+    assert len(commands) == 4
+    for rank, block in enumerate(commands):
+        assert f"# node dgx{rank + 1}: rank {rank}" in block
+        argv = shlex.split(block[block.index("docker run") :].replace("\\\n", " "))
+        spec = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert spec["method"] == "dspark"
+        assert argv[argv.index("--node-rank") + 1] == str(rank)
+        assert f"VLLM_HOST_IP=192.168.100.1{rank + 1}" in argv
+        assert '    --engram-config \'{"cpu_offload":false,"table_memory":"disk"}\' \\' in block
+
+
+def test_plan_json_and_node_choice_by_path() -> None:
+    result = runner.invoke(
+        app,
+        [
+            "plan",
+            str(ROOT / "recipes" / "glm53-flash-r27-dflash2" / "recipe.toml"),
+            "--cluster",
+            str(ROOT / "clusters" / "dgx-spark-4.toml"),
+            "--nodes",
+            "dgx4,dgx2",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    plan = Plan.model_validate_json(result.stdout)
+    assert [node.node for node in plan.nodes] == ["dgx4", "dgx2"]
+    assert plan.blocked is not None
+
+
+def test_plan_shows_the_blocked_reason_and_ray_exec(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "clusters", tmp_path / "clusters")
+    recipe_dir = tmp_path / "recipes" / "tiny-ray"
+    recipe_dir.mkdir(parents=True)
+    (recipe_dir / "recipe.toml").write_text(
+        'name = "tiny [BLOCKED]"\ndocker_image = "img"\nmodel = "lab/tiny"\nrequired_nodes = 2\n'
+        'tensor_parallel_size = 2\ndistributed_backend = "ray"\n'
+    )
+    result = runner.invoke(
+        app, ["plan", "tiny-ray", "--cluster", "dgx-spark-4", "--root", str(tmp_path)]
+    )
+    assert result.exit_code == 0, result.output
+    assert (
+        "# BLOCKED (a deploy refuses to start): the recipe's name says [BLOCKED]" in result.stdout
+    )
+    assert "docker exec sparkdeploy-tiny-ray-" in result.stdout
+    assert "    --distributed-executor-backend ray" in result.stdout
+
+
+def test_plan_errors_name_what_to_fix() -> None:
+    unknown = runner.invoke(app, ["plan", "dsv4", "--cluster", "dgx-spark-4", "--root", str(ROOT)])
+    assert unknown.exit_code != 0
+    assert "no recipe named 'dsv4'" in unknown.output
+    assert "dsv41-flash-eugr-0913-4x" in unknown.output
+    too_few = runner.invoke(
+        app,
+        [
+            "plan",
+            "dsv41-flash-eugr-0913-4x",
+            "--cluster",
+            "dgx-spark-4",
+            "--nodes",
+            "dgx1,dgx2",
+            "--root",
+            str(ROOT),
+        ],
+    )
+    assert too_few.exit_code == 1
+    assert "2 nodes selected (dgx1, dgx2) but the recipe needs required_nodes = 4" in too_few.stderr
