@@ -452,8 +452,8 @@ class Lab:
                 {
                     "gpus": 1,
                     "fabric_netdev": FABRIC_NETDEV,
-                    # The lab's fabric is a veth: no RDMA devices, NCCL runs over sockets.
-                    "roce_hcas": [],
+                    # The lab's fabric is a veth: "auto" finds no RDMA device, NCCL uses sockets.
+                    "roce_hcas": "auto",
                     "gid_index": "auto",
                 },
             )
@@ -494,7 +494,7 @@ class Lab:
             + "\n"
             + _toml_table(
                 "[nccl.lab]",
-                {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": FABRIC_NETDEV},
+                {"NCCL_IB_DISABLE": "1"},
             )
         )
         _write(layout.inventory_path, text)

@@ -1,0 +1,60 @@
+"""Session fixtures shared by the test modules.
+
+`lab_cluster` brings up one lab (3 nodes, named by SPARKDEPLOY_TEST_LAB, default "pytest") for
+the whole session and tears it down at the end, checking that nothing of it remains. Where the
+lab cannot run (not root, no namespaces, packages missing) its tests are skipped with the
+reason, which `-ra` prints in the summary.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from lab.cluster import REQUIRED_TOOLS, Lab
+from sparkdeploy import ssh
+
+TEST_LAB_NAME = os.environ.get("SPARKDEPLOY_TEST_LAB", "pytest")
+TEST_LAB_NODES = 3
+
+
+def lab_unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "the lab needs root (network namespaces, mounts, dockerd); run the suite as root"
+    missing = [tool for tool in (*REQUIRED_TOOLS, "docker-registry") if shutil.which(tool) is None]
+    if missing:
+        return f"the lab needs {', '.join(missing)}: run scripts/setup"
+    probe = subprocess.run(
+        ["unshare", "--net", "--mount", "--uts", "true"], capture_output=True, timeout=10
+    )
+    if probe.returncode != 0:
+        return f"namespaces are unavailable here: {probe.stderr.decode(errors='replace').strip()}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def lab_cluster() -> Iterator[Lab]:
+    reason = lab_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    lab = Lab(TEST_LAB_NAME, TEST_LAB_NODES)
+    lab.up()
+    try:
+        yield lab
+    finally:
+        ssh.close_cached()
+        lab.down()
+    remains = lab.remains()
+    assert not remains, f"lab down left {remains}"
+
+
+@pytest.fixture(scope="session")
+def lab_engine_image(lab_cluster: Lab) -> str:
+    """`lab/vllm-standin:latest`, built from this checkout and pushed to the lab registry."""
+    from lab.image import build_engine_image
+
+    return build_engine_image(lab_cluster)
