@@ -196,6 +196,12 @@ class EngramGeometry:
                 f"config.json {section_name}.engram_head_dim: {geometry.head_dim} is not a "
                 f"multiple of {SCALE_GROUP}, so the ue8m0 scale tensor has no whole width"
             )
+        if len(set(geometry.layer_ids)) != len(geometry.layer_ids):
+            raise EngramError(
+                f"config.json {section_name}.engram_layer_ids: {list(geometry.layer_ids)} names "
+                "a layer twice; each Engram layer has one table"
+            )
+        geometry.column_sizes()  # a config whose columns do not add up fails here, not later
         return geometry
 
     @property

@@ -122,6 +122,7 @@ def test_config_at_top_level_and_without_engram() -> None:
         (small_config(engram_layer_ids=[0, True]), "expected a list of integers"),
         (small_config(engram_head_dim=48), "not a multiple of 32"),
         (small_config(engram_max_ngram_size=1), "leaves no n-gram order"),
+        (small_config(engram_layer_ids=[2, 2]), "names a layer twice"),
     ],
 )
 def test_malformed_config_is_a_clear_error(config: dict[str, Any], message: str) -> None:
@@ -130,10 +131,18 @@ def test_malformed_config_is_a_clear_error(config: dict[str, Any], message: str)
 
 
 def test_inconsistent_embeddings_are_a_clear_error() -> None:
-    geometry = EngramGeometry.from_config(small_config(engram_num_embeddings=[420, 509]))
-    assert geometry is not None
     with pytest.raises(EngramError, match=r"layer 2: .* sum to 508 rows, but .* says 509"):
-        geometry.column_sizes()
+        EngramGeometry.from_config(small_config(engram_num_embeddings=[420, 509]))
+    geometry = EngramGeometry(
+        layer_ids=(0,),
+        num_embeddings=(421,),
+        max_ngram_size=3,
+        vocab_size=100,
+        n_heads=2,
+        head_dim=64,
+    )
+    with pytest.raises(EngramError, match=r"layer 0: .* sum to 420 rows"):
+        geometry.rank_rows(0, 0, 2)
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
@@ -196,7 +205,7 @@ def test_rank_byte_ranges_cover_the_rows_of_weight_and_scale(tmp_path: Path) -> 
 
 
 def test_tensors_that_disagree_with_the_config_are_a_clear_error(tmp_path: Path) -> None:
-    geometry = EngramGeometry.from_config(small_config(engram_num_embeddings=[420, 508]))
+    geometry = EngramGeometry.from_config(small_config())
     assert geometry is not None
     shard = tmp_path / "wrong.safetensors"
     write_safetensors(
