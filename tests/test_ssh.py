@@ -1,0 +1,109 @@
+"""sparkdeploy.ssh against the lab's real sshd: quoting, exit codes, timeouts, stdin, Python
+sources, host-key checking, transient connect failures, fan-out and the connection cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from pathlib import Path
+
+import pytest
+
+from lab.cluster import Lab
+from sparkdeploy.errors import RemoteError, TransientRemoteError
+from sparkdeploy.ssh import Connection, cached_connection, close_cached, connect, on_all
+
+pytestmark = pytest.mark.lab
+
+TIMEOUT_S = 30.0
+
+
+@pytest.fixture
+def node1(lab_cluster: Lab) -> Connection:
+    return cached_connection(lab_cluster.ssh_target("node1"))
+
+
+def test_argv_reaches_the_node_verbatim_and_no_shell_sees_it(node1: Connection) -> None:
+    marker = f"/tmp/not-created-{secrets.token_hex(4)}"
+    argv = ["printf", "%s|", "two words", f"$(touch {marker})", "'quoted'", "a;b", "*", ""]
+    result = node1.run(argv, timeout=TIMEOUT_S)
+    assert result.stdout == f"two words|$(touch {marker})|'quoted'|a;b|*||".encode()
+    assert result.argv == tuple(argv)
+    assert node1.run(["test", "-e", marker], timeout=TIMEOUT_S, check=False).exit_code == 1
+
+
+def test_non_zero_exit_raises_with_node_command_and_stderr(node1: Connection) -> None:
+    argv = ["sh", "-c", 'echo "disk on fire" >&2; exit 3']
+    with pytest.raises(RemoteError) as raised:
+        node1.run(argv, timeout=TIMEOUT_S)
+    message = str(raised.value)
+    assert node1.target.host in message and "exited 3" in message and "disk on fire" in message
+    assert not isinstance(raised.value, TransientRemoteError)
+    unchecked = node1.run(argv, timeout=TIMEOUT_S, check=False)
+    assert (unchecked.exit_code, unchecked.stderr) == (3, b"disk on fire\n")
+
+
+def test_a_command_that_outlives_its_timeout_raises(node1: Connection) -> None:
+    with pytest.raises(RemoteError, match=r"did not finish within 0\.5 s"):
+        node1.run(["sleep", "30"], timeout=0.5)
+    assert node1.run(["true"], timeout=TIMEOUT_S).exit_code == 0
+
+
+def test_stdin_and_large_outputs_pass_through(node1: Connection) -> None:
+    payload = secrets.token_bytes(3 * 1024 * 1024)
+    result = node1.run(["cat"], timeout=TIMEOUT_S, stdin=payload)
+    assert result.stdout == payload
+
+
+def test_run_python_gets_args_and_its_own_stdin(node1: Connection) -> None:
+    padding = "#" * 300_000  # beyond the kernel's 128 KiB limit for one argument
+    source = f"{padding}\nimport sys\nprint(repr(sys.argv[1:]), sys.stdin.read())\n"
+    result = node1.run_python(source, ["a b", "$HOME", "'"], timeout=TIMEOUT_S, stdin=b"in")
+    assert result.stdout == b"['a b', '$HOME', \"'\"] in\n"
+    with pytest.raises(RemoteError, match="ZeroDivisionError"):
+        node1.run_python("1 / 0", [], timeout=TIMEOUT_S)
+
+
+def test_unknown_or_changed_host_keys_are_rejected(lab_cluster: Lab, tmp_path: Path) -> None:
+    target = lab_cluster.ssh_target("node1")
+    empty = tmp_path / "empty_known_hosts"
+    empty.write_text("")
+    with pytest.raises(RemoteError, match=r"not in .*empty_known_hosts") as unknown:
+        connect(dataclasses.replace(target, known_hosts=str(empty)), attempts=1)
+    assert not isinstance(unknown.value, TransientRemoteError)
+
+    node2_key = Path(target.known_hosts).read_text().splitlines()[1].split(" ", 1)[1]
+    wrong = tmp_path / "wrong_known_hosts"
+    wrong.write_text(f"{target.host} {node2_key}\n")
+    with pytest.raises(RemoteError, match="host key differs"):
+        connect(dataclasses.replace(target, known_hosts=str(wrong)), attempts=1)
+
+
+def test_a_refused_connection_is_transient_after_the_retries(lab_cluster: Lab) -> None:
+    closed_port = dataclasses.replace(lab_cluster.ssh_target("node1"), port=2)
+    with pytest.raises(TransientRemoteError, match=r"root@.*:2: cannot connect"):
+        connect(closed_port, attempts=2)
+
+
+def test_on_all_returns_by_node_and_names_the_failing_node(lab_cluster: Lab) -> None:
+    targets = lab_cluster.ssh_targets()
+    hostnames = on_all(targets, lambda c: c.run(["hostname"], timeout=TIMEOUT_S).stdout.strip())
+    assert hostnames == {node: node.encode() for node in lab_cluster.nodes}
+
+    def fail_on_node2(connection: Connection) -> None:
+        name = connection.run(["hostname"], timeout=TIMEOUT_S).stdout.strip().decode()
+        connection.run(["false"] if name == "node2" else ["true"], timeout=TIMEOUT_S)
+
+    with pytest.raises(RemoteError, match=r"^node node2: .*`false` exited 1"):
+        on_all(targets, fail_on_node2)
+
+
+def test_the_cache_reuses_a_live_connection_and_replaces_a_closed_one(lab_cluster: Lab) -> None:
+    target = lab_cluster.ssh_target("node3")
+    first = cached_connection(target)
+    assert cached_connection(target) is first
+    first.close()
+    second = cached_connection(target)
+    assert second is not first and second.run(["true"], timeout=TIMEOUT_S).exit_code == 0
+    close_cached()
+    assert not second.is_active
