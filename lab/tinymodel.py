@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 BLOCK_BYTES = 1 << 20
 PAD_BYTES = BLOCK_BYTES + 4093  # not a multiple of the block, so offsets spread over the pad
@@ -86,11 +86,28 @@ def row_bytes(tensor_name: str, row: int, width: int) -> bytes:
     return tensor_bytes(tensor_name, row * width, (row + 1) * width)
 
 
-def write_tensor_bytes(fd: int, data_begin: int, tensor_name: str, start: int, stop: int) -> None:
-    """Write bytes [start, stop) of a tensor whose data starts at file offset data_begin."""
+class Digest(Protocol):
+    def update(self, data: bytes, /) -> None: ...
+
+
+def write_tensor_bytes(
+    fd: int,
+    data_begin: int,
+    tensor_name: str,
+    start: int,
+    stop: int,
+    digest: Digest | None = None,
+) -> None:
+    """Write bytes [start, stop) of a tensor whose data starts at file offset data_begin.
+
+    For a row range [a, b) of width w: start = a * w, stop = b * w. The bytes written are also
+    fed to `digest` when one is given.
+    """
     position = data_begin + start
     for chunk in iter_tensor_bytes(tensor_name, start, stop):
         _pwrite_all(fd, chunk, position)
+        if digest is not None:
+            digest.update(chunk)
         position += len(chunk)
 
 
@@ -362,10 +379,7 @@ def _write_shard(
         if with_content:
             for tensor in tensors:
                 begin = data_start + header[tensor.name]["data_offsets"][0]
-                for chunk in iter_tensor_bytes(tensor.name, 0, tensor.nbytes):
-                    _pwrite_all(fd, chunk, begin)
-                    digest.update(chunk)
-                    begin += len(chunk)
+                write_tensor_bytes(fd, begin, tensor.name, 0, tensor.nbytes, digest)
         else:
             zeros = bytes(BLOCK_BYTES)
             for start in range(0, offset, BLOCK_BYTES):

@@ -18,6 +18,7 @@ from lab.tinymodel import (
     parse_size,
     row_bytes,
     tensor_bytes,
+    write_tensor_bytes,
 )
 from sparkdeploy.engram import EngramGeometry, rank_byte_ranges, read_safetensors_header
 
@@ -114,6 +115,24 @@ def test_file_content_is_the_row_content(tmp_path: Path) -> None:
         # Another tensor's content, or this tensor's content at another offset, is caught.
         assert first_mismatch(fd, weight.begin, SCALE, 0, 1000) == 0
         assert first_mismatch(fd, weight.begin + 64, WEIGHT, 0, 1000) == 0
+
+
+def test_bulk_writer_writes_a_row_range_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "sparse"
+    width, first, last = 66, 20_000, 40_000
+    with open(path, "w+b") as handle:
+        os.truncate(handle.fileno(), 4096 + 50_000 * width)
+        digest = hashlib.sha256()
+        write_tensor_bytes(handle.fileno(), 4096, WEIGHT, first * width, last * width, digest)
+        fd = handle.fileno()
+        assert first_mismatch(fd, 4096, WEIGHT, first * width, last * width) is None
+        assert os.pread(fd, width, 4096 + first * width) == row_bytes(WEIGHT, first, width)
+        assert not any(os.pread(fd, width, 4096 + (first - 1) * width))
+        assert not any(os.pread(fd, width, 4096 + last * width))
+    assert (
+        digest.hexdigest()
+        == hashlib.sha256(tensor_bytes(WEIGHT, first * width, last * width)).hexdigest()
+    )
 
 
 def test_first_mismatch_finds_a_zeroed_range_and_a_short_file(tmp_path: Path) -> None:
