@@ -21,7 +21,14 @@ from sparkdeploy.tomlfile import KeyPath, TomlDocument, load_toml, validate_docu
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Set per node by the plan; a profile that also set them would be overridden silently.
-_PER_NODE_ENV = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "VLLM_HOST_IP")
+_PER_NODE_ENV = (
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+    "UCX_NET_DEVICES",
+    "NCCL_IB_HCA",
+    "NCCL_IB_GID_INDEX",
+    "VLLM_HOST_IP",
+)
 
 RoceHcas = list[str] | Literal["auto"]
 GidIndex = int | Literal["auto"]
