@@ -14,7 +14,8 @@ import typer
 
 from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import SparkDeployError
-from sparkdeploy.plan import NodePlan, Plan, make_plan
+from sparkdeploy.plan import NodePlan, Plan
+from sparkdeploy.project import load_plan
 from sparkdeploy.recipe import load_recipe, recipe_paths
 from sparkdeploy.vllm_args import is_flag
 
@@ -84,18 +85,6 @@ def validate(
         raise typer.Exit(1)
 
 
-def _find(value: str, kind: str, candidates: list[Path], by_name: Path) -> Path:
-    path = Path(value)
-    if path.suffix == ".toml" or path.is_dir() or "/" in value:
-        return path / "recipe.toml" if path.is_dir() else path
-    if by_name.exists():
-        return by_name
-    known = ", ".join(
-        sorted(p.parent.name if p.name == "recipe.toml" else p.stem for p in candidates)
-    )
-    raise typer.BadParameter(f"no {kind} named {value!r} (known: {known or 'none'})")
-
-
 def _grouped(tokens: list[str]) -> list[str]:
     """Shell-quoted lines: each flag with its value, for people to read."""
     lines: list[str] = []
@@ -163,7 +152,10 @@ def _plan_text(plan: Plan) -> str:
 def plan(
     recipe: Annotated[str, typer.Argument(help="A recipe name under recipes/ or a path.")],
     cluster: Annotated[
-        str, typer.Option("--cluster", help="An inventory name under clusters/ or a path.")
+        str,
+        typer.Option(
+            "--cluster", help="An inventory name (clusters/NAME.toml, a lab's) or a path."
+        ),
     ],
     nodes: Annotated[
         str | None, typer.Option("--nodes", help="Nodes in rank order, comma-separated.")
@@ -172,20 +164,12 @@ def plan(
     root: RootOption = Path("."),
 ) -> None:
     """Print what a deployment would run on each node (never runs it)."""
-    recipe_path = _find(
-        recipe, "recipe", recipe_paths(root / "recipes"), root / "recipes" / recipe / "recipe.toml"
-    )
-    cluster_path = _find(
-        cluster,
-        "cluster",
-        sorted((root / "clusters").glob("*.toml")),
-        root / "clusters" / f"{cluster}.toml",
-    )
     try:
-        result = make_plan(
-            load_recipe(recipe_path),
-            load_cluster(cluster_path),
+        result = load_plan(
+            recipe,
+            cluster,
             [name.strip() for name in nodes.split(",") if name.strip()] if nodes else None,
+            root,
         )
     except SparkDeployError as exc:
         typer.echo(str(exc), err=True)

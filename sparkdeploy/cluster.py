@@ -117,6 +117,11 @@ class DockerSettings(_Strict):
     drop_page_cache: bool = False
 
 
+class HubSettings(_Strict):
+    # The Hugging Face endpoint the flow host prefetches from; None: HF_ENDPOINT, else the hub.
+    endpoint: str | None = None
+
+
 class InventoryFile(_Strict):
     """The inventory file as written."""
 
@@ -128,6 +133,7 @@ class InventoryFile(_Strict):
     nas: Nas
     node_paths: NodePaths = Field(default_factory=NodePaths)
     docker: DockerSettings = Field(default_factory=DockerSettings)
+    hub: HubSettings = Field(default_factory=HubSettings)
     nccl: dict[str, dict[str, str]] = Field(default_factory=dict)
 
 
@@ -160,6 +166,7 @@ class Cluster(_Strict):
     nas: Nas
     node_paths: NodePaths
     docker: DockerSettings
+    hub: HubSettings
     nccl: dict[str, dict[str, str]]
 
     def missing_files(self) -> list[str]:
@@ -320,6 +327,7 @@ def cluster_from_document(document: TomlDocument) -> Cluster:
         nas=inventory.nas,
         node_paths=inventory.node_paths,
         docker=inventory.docker,
+        hub=inventory.hub,
         nccl=inventory.nccl,
     )
 

@@ -148,6 +148,7 @@ class Plan(_Data):
     repos: list[RepoRef]
     nas_hf_cache: str
     runs_dir: str
+    hub_endpoint: str | None  # None: HF_ENDPOINT, else the public hub
     blocked: str | None
     nodes: list[NodePlan]
 
@@ -375,6 +376,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
         repos=recipe.hf_repos,
         nas_hf_cache=cluster.nas.hf_cache,
         runs_dir=cluster.nas.runs_dir,
+        hub_endpoint=cluster.hub.endpoint,
         blocked=recipe.blocked_reason,
         nodes=node_plans,
     )

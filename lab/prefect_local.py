@@ -1,0 +1,174 @@
+"""A local Prefect server (SQLite under PREFECT_HOME) and process workers, for the demo and tests.
+
+Everything here is a child process started with an explicit environment and stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparkdeploy.errors import SparkDeployError
+
+WORK_POOL = "sparkdeploy"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# A fresh SQLite database takes about 20 s to migrate on 2 cores (FACTS.md); allow for a slow CI.
+SERVER_START_TIMEOUT_S = 180.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _prefect_cli() -> str:
+    return str(Path(sys.executable).with_name("prefect"))
+
+
+@dataclass
+class PrefectServer:
+    """`prefect server start` on loopback with its own PREFECT_HOME (so its own SQLite DB)."""
+
+    home: Path
+    port: int = 4200
+    log_path: Path | None = None
+    _process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """The environment a Prefect client, worker or flow needs to talk to this server."""
+        return {
+            **os.environ,
+            "PREFECT_HOME": str(self.home),
+            "PREFECT_API_URL": self.api_url,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "INFO"),
+        }
+
+    def is_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def start(self) -> None:
+        if self.is_healthy():
+            raise SparkDeployError(
+                f"a Prefect server already answers on {self.api_url}; stop it or pick another port"
+            )
+        self.home.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_path or self.home / "server.log"
+        with open(log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                [_prefect_cli(), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not self.is_healthy():
+            if self._process.poll() is not None:
+                raise SparkDeployError(
+                    f"prefect server exited with code {self._process.returncode} before it was "
+                    f"healthy; its log is {log_path}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SparkDeployError(
+                    f"prefect server not healthy after {SERVER_START_TIMEOUT_S:.0f} s; "
+                    f"its log is {log_path}"
+                )
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self._process is not None:
+            _stop_group(self._process)
+            self._process = None
+
+    def __enter__(self) -> PrefectServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def run_prefect(
+    server: PrefectServer, *args: str, timeout: float = 300.0
+) -> subprocess.CompletedProcess[str]:
+    """Run a `prefect ...` CLI command against the server, from the project root."""
+    result = subprocess.run(
+        [_prefect_cli(), *args],
+        env=server.env(),
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise SparkDeployError(
+            f"`prefect {' '.join(args)}` exited with {result.returncode}:\n"
+            f"{result.stdout[-2000:]}{result.stderr[-2000:]}"
+        )
+    return result
+
+
+def register_deployments(server: PrefectServer) -> None:
+    """Create the process work pool (if missing) and every deployment in prefect.yaml."""
+    pools = run_prefect(server, "work-pool", "ls").stdout
+    if WORK_POOL not in pools:
+        run_prefect(server, "work-pool", "create", WORK_POOL, "--type", "process")
+    run_prefect(server, "deploy", "--all", "--no-prompt")
+
+
+def start_worker(server: PrefectServer, log_path: Path) -> subprocess.Popen[bytes]:
+    """A process worker polling the project's pool; stop it with stop_worker."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [_prefect_cli(), "worker", "start", "--pool", WORK_POOL, "--type", "process"],
+            env=server.env(),
+            cwd=PROJECT_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def stop_worker(worker: subprocess.Popen[bytes]) -> None:
+    _stop_group(worker)
+
+
+def _stop_group(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM the process group (the server forks uvicorn; a worker forks flow runs)."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=grace_s)
+    except ProcessLookupError:
+        pass
