@@ -12,11 +12,11 @@ from __future__ import annotations
 import shlex
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import paramiko
 
@@ -27,6 +27,10 @@ T = TypeVar("T")
 BACKOFF_S = 0.5
 STDERR_TAIL_CHARS = 2000
 _READ_CHUNK = 65536
+# How often a streaming read wakes up to look at its stop event, deadline and idle time.
+STREAM_POLL_S = 0.1
+# After the output ends, how long to wait for the command's exit status to arrive.
+EXIT_STATUS_WAIT_S = 5.0
 # Reads the program's source off stdin (length in argv[1]), then runs it as __main__ with
 # argv[1:] = the caller's args and the rest of stdin left for the program.
 _PYTHON_BOOTSTRAP = (
@@ -163,6 +167,49 @@ class Connection:
             check=check,
         )
 
+    def stream_lines(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        stop: threading.Event | None = None,
+        idle_timeout: float | None = None,
+    ) -> LineStream:
+        """Start argv on the node and return its output (stdout and stderr merged) as lines.
+
+        For commands that run until told otherwise (`docker logs -f`): the stream ends when the
+        command exits, when `stop` is set, after `timeout` seconds in all, or after
+        `idle_timeout` seconds without output; `LineStream.ended` says which, and
+        `LineStream.exit_code` holds the exit status once the command has exited.
+        """
+        argv = tuple(argv)
+        if not argv:
+            raise ValueError("stream_lines() needs a non-empty argv")
+        command = shlex.join(argv)
+        transport = self._client.get_transport()
+        if transport is None or not transport.is_active():
+            raise TransientRemoteError(
+                f"{self.target}: the SSH connection is closed; reconnect with"
+                " sparkdeploy.ssh.connect()"
+            )
+        try:
+            channel = transport.open_session(timeout=self.target.connect_timeout_s)
+            channel.set_combine_stderr(True)
+            channel.settimeout(self.target.connect_timeout_s)
+            channel.exec_command(command)
+            channel.shutdown_write()
+        except (paramiko.SSHException, OSError) as error:
+            raise TransientRemoteError(
+                f"{self.target}: cannot start `{command}` over SSH: {error}"
+            ) from error
+        return LineStream(
+            channel,
+            argv,
+            deadline=time.monotonic() + timeout,
+            stop=stop,
+            idle_timeout=idle_timeout,
+        )
+
     def close(self) -> None:
         self._client.close()
 
@@ -171,6 +218,82 @@ class Connection:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+StreamEnd = Literal["exited", "stopped", "timeout", "idle"]
+
+
+class LineStream:
+    """The output lines of one running command (see Connection.stream_lines); iterate it once.
+
+    Lines come without their line ending. The channel is closed when the iteration ends, or by
+    close() (which also makes a running iteration end).
+    """
+
+    def __init__(
+        self,
+        channel: paramiko.Channel,
+        argv: tuple[str, ...],
+        *,
+        deadline: float,
+        stop: threading.Event | None,
+        idle_timeout: float | None,
+    ) -> None:
+        self.argv = argv
+        self.exit_code: int | None = None
+        self.ended: StreamEnd | None = None
+        self._channel = channel
+        self._deadline = deadline
+        self._stop = stop if stop is not None else threading.Event()
+        self._idle_timeout = idle_timeout
+
+    def __iter__(self) -> Iterator[bytes]:
+        channel = self._channel
+        pending = bytearray()
+        last_output = time.monotonic()
+        channel.settimeout(STREAM_POLL_S)
+        try:
+            while True:
+                ended = self._should_end(last_output)
+                if ended is not None:
+                    self.ended = ended
+                    return
+                try:
+                    chunk = channel.recv(_READ_CHUNK)
+                except TimeoutError:
+                    continue
+                if not chunk:
+                    if self._stop.is_set():  # close() from another thread
+                        self.ended = "stopped"
+                        return
+                    break
+                last_output = time.monotonic()
+                pending += chunk
+                *lines, rest = pending.split(b"\n")
+                pending = bytearray(rest)
+                for line in lines:
+                    yield bytes(line.rstrip(b"\r"))
+            if pending:
+                yield bytes(pending.rstrip(b"\r"))
+            if channel.status_event.wait(EXIT_STATUS_WAIT_S):
+                self.exit_code = channel.recv_exit_status()
+            self.ended = "exited"
+        finally:
+            channel.close()
+
+    def _should_end(self, last_output: float) -> StreamEnd | None:
+        now = time.monotonic()
+        if self._stop.is_set() or self._channel.closed:
+            return "stopped"
+        if now >= self._deadline:
+            return "timeout"
+        if self._idle_timeout is not None and now - last_output >= self._idle_timeout:
+            return "idle"
+        return None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._channel.close()
 
 
 def _tail(data: bytes | bytearray) -> str:
