@@ -21,6 +21,10 @@ class PlanError(SparkDeployError):
     """A recipe cannot be placed on the chosen nodes."""
 
 
+class RecipeBlocked(PlanError):
+    """The recipe says it must not be deployed (its `blocked` reason) and no override was given."""
+
+
 class RemoteError(SparkDeployError):
     """A command on a node failed (not reachable, non-zero exit, timeout)."""
 
@@ -34,7 +38,7 @@ class EngramError(SparkDeployError):
 
 
 class PrefetchError(SparkDeployError):
-    """A repo cannot be put into the NAS HF cache: not found, gated, no space, corrupt on the hub."""
+    """A repo cannot be put into the NAS HF cache: not found, gated, no space, corrupt."""
 
 
 class TransientPrefetchError(PrefetchError):

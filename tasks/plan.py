@@ -1,0 +1,42 @@
+"""Prefect task: the plan of a deployment (logic in sparkdeploy.project and sparkdeploy.plan)."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.logging import get_run_logger
+
+from sparkdeploy.cluster import load_cluster
+from sparkdeploy.errors import InventoryError, RecipeBlocked
+from sparkdeploy.plan import Plan
+from sparkdeploy.project import find_cluster, load_plan
+
+
+@task(name="plan")
+def plan_deployment(
+    recipe: str, cluster: str, nodes: list[str] | None = None, *, allow_blocked: bool = False
+) -> Plan:
+    """What the deployment will do on each node; fails before touching any node on bad input.
+
+    No retries: every failure here is in a file (or a blocked recipe) and needs a person.
+    """
+    missing = load_cluster(find_cluster(cluster)).missing_files()
+    if missing:
+        raise InventoryError("\n".join(missing))
+    plan = load_plan(recipe, cluster, nodes)
+    if plan.blocked is not None:
+        if not allow_blocked:
+            raise RecipeBlocked(
+                f"recipe {plan.recipe} is blocked: {plan.blocked}\n"
+                "Fix what the reason says, or deploy anyway with allow_blocked=true "
+                "(`-p allow_blocked=true`)."
+            )
+        get_run_logger().warning("deploying blocked recipe %s: %s", plan.recipe, plan.blocked)
+    get_run_logger().info(
+        "deployment %s: recipe %s on %s (%s), endpoint %s",
+        plan.deployment_id,
+        plan.recipe,
+        plan.cluster,
+        ", ".join(f"{node.node}=rank {node.rank}" for node in plan.nodes),
+        plan.endpoint,
+    )
+    return plan
