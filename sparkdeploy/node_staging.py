@@ -7,12 +7,13 @@ FAILED_EXIT with {"ok": false, "kind": ..., "message": ...}.
 
 The copy: a file of the shard's full size holding the header and this node's ranks' row ranges at
 their original offsets, holes elsewhere. It is written to DEST.partial in fixed-size chunks (a
-reader, a writer and a verifier thread, each with its own buffers, so memory stays bounded), each
-chunk fdatasync'ed and then dropped from the page cache on both sides (unified memory: cached
-copy pages compete with the GPU). A journal records how far the durable part reaches, so an
-interrupted copy resumes there. Every range's sha256 from the source is compared with the sha256
-read back from the destination disk, the file's data extents are checked against the ranges, and
-only then is DEST.partial renamed to DEST and DEST.manifest.json written.
+reader, a writer and a verifier thread, each with its own buffers, so memory stays bounded),
+fdatasync'ed a few chunks at a time and dropped from the page cache on both sides, without
+readahead (unified memory: cached copy pages compete with the GPU for the same RAM). A journal
+records how far the durable part reaches, so an interrupted copy resumes there. Every range's
+sha256 from the source is compared with the sha256 read back from the destination disk, the
+file's data extents are checked against the ranges, and only then is DEST.partial renamed to
+DEST and DEST.manifest.json written.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ MIB = 1024 * 1024
 DEFAULT_CHUNK_BYTES = 16 * MIB
 # Read buffers in flight between the reader and the writer; the verifier has one more.
 READ_BUFFERS = 3
+# Written chunks are made durable (fdatasync, then dropped from the cache and journaled) in
+# groups of this many: one fdatasync per chunk would leave the disk one request deep.
+SYNC_EVERY_CHUNKS = 4
 FAILED_EXIT = 3
 PROGRESS_INTERVAL_S = 1.0
 QUEUE_POLL_S = 0.2
@@ -144,6 +148,8 @@ def plan_copy(request: Request) -> CopyPlan:
         header_len, tensors, _metadata = read_safetensors_header(source)
     except EngramError as exc:
         raise StagingFailure("bad_header", f"source shard {entry}: {exc}") from None
+    finally:
+        _drop_cached(source)
     geometry = _read_geometry(os.path.join(snapshot, "config.json"), entry)
     try:
         tables = engram_tables(tensors, geometry)
@@ -298,6 +304,10 @@ def stage(request: Request, progress: Progress) -> dict[str, Any]:
     dst_fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         os.ftruncate(dst_fd, plan.size)
+        # Every read is a whole chunk: readahead would only cache bytes past the ranges' ends
+        # that no DONTNEED of a copied chunk covers.
+        os.posix_fadvise(src_fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.posix_fadvise(dst_fd, 0, 0, os.POSIX_FADV_RANDOM)
         source_sums, dest_sums, copied = _copy_and_verify(
             plan, src_fd, dst_fd, resume_from, progress
         )
@@ -406,27 +416,46 @@ def _copy_and_verify(
     def write_chunks() -> None:
         nonlocal copied
         written_chunks = 0
+        unsynced: list[Chunk] = []
+
+        def sync() -> None:
+            os.fdatasync(dst_fd)
+            for chunk in unsynced:
+                os.posix_fadvise(dst_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
+            _write_json(
+                request.dest + JOURNAL_SUFFIX,
+                {"key": plan.key, "copied_through": unsynced[-1].copied_through},
+            )
+            for chunk in unsynced:
+                to_verify.put(chunk)
+            unsynced.clear()
+
         while (item := take(to_write)) is not None:
             chunk, buffer = item
-            if chunk.copied_through > resume_from:
-                _pwrite_all(dst_fd, memoryview(buffer)[: chunk.length], chunk.offset)
-                os.fdatasync(dst_fd)
-                os.posix_fadvise(dst_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
-                _write_json(
-                    request.dest + JOURNAL_SUFFIX,
-                    {"key": plan.key, "copied_through": chunk.copied_through},
-                )
-                copied += chunk.length
-                written_chunks += 1
-                stop_after = request.stop_after_chunks
-                if stop_after is not None and written_chunks >= stop_after:
-                    raise StagingFailure(
-                        "interrupted",
-                        f"stopped on request after {written_chunks} chunks "
-                        f"({chunk.copied_through} of {total} bytes durable)",
-                    )
+            if chunk.copied_through <= resume_from:
+                free_buffers.put(buffer)
+                to_verify.put(chunk)
+                continue
+            _pwrite_all(dst_fd, memoryview(buffer)[: chunk.length], chunk.offset)
             free_buffers.put(buffer)
-            to_verify.put(chunk)
+            # On dirty pages DONTNEED starts their writeback without waiting for it, so several
+            # chunks are in flight by the time sync() waits; the second DONTNEED drops them.
+            os.posix_fadvise(dst_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
+            unsynced.append(chunk)
+            copied += chunk.length
+            written_chunks += 1
+            stop_after = request.stop_after_chunks
+            if stop_after is not None and written_chunks >= stop_after:
+                sync()
+                raise StagingFailure(
+                    "interrupted",
+                    f"stopped on request after {written_chunks} chunks "
+                    f"({chunk.copied_through} of {total} bytes durable)",
+                )
+            if len(unsynced) >= SYNC_EVERY_CHUNKS:
+                sync()
+        if unsynced:
+            sync()
         to_verify.put(None)
 
     def verify_chunks() -> None:
@@ -550,6 +579,15 @@ def _check_extents(fd: int, plan: CopyPlan, path: str) -> bool:
                 f"{path}: range [{begin}, {end}) is not all data; the next run starts afresh",
             )
     return True
+
+
+def _drop_cached(path: str) -> None:
+    """Drop a file's clean pages, e.g. the readahead (megabytes) a header read pulled in."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _read_json(path: str) -> dict[str, Any] | None:

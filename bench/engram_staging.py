@@ -1,0 +1,207 @@
+"""Benchmark: Engram sparse-copy staging of a >= 2 GiB synthetic shard at TP 3.
+
+For each rank, on one disk: the staging node script (run as on a node, by a stdlib-only
+python3) against a plain `dd` of the same byte ranges, both from a source dropped from the page
+cache. Prints per rank: bytes written / the rank's share (header aside), allocated blocks /
+share, time staging / time dd, page-cache growth (Cached in /proc/meminfo) / bytes copied, peak
+RSS of the node script and the time of a re-run (skipped). Targets: 1.00, <= 1.01, <= 1.25,
+<= 0.05, RSS <= 256 MiB, re-run <= 1 s.
+
+Other work on the machine moves the system-wide Cached figure and the disk's speed, so the page
+cache is also measured per file (util-linux `fincore` on the source and the copy), and each
+rank's staging and dd runs twice, alternately, the faster of each pair counting.
+
+    .venv/bin/python bench/engram_staging.py [--dir /var/tmp/sparkdeploy-bench] [--size 2.1GiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
+
+from hfcache_layout import cache_repo  # noqa: E402
+from local_node import LocalPython  # noqa: E402
+
+from lab.tinymodel import EngramSpec, generate_repo, parse_size  # noqa: E402
+from sparkdeploy import engram, staging  # noqa: E402
+
+REPO = "bench-org/EngramBench"
+TP = 3
+MIB = 1024 * 1024
+DD_BLOCK = "16M"
+
+
+def cached_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Cached:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no Cached: line")
+
+
+def drop_from_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def resident_bytes(*paths: Path) -> int:
+    """Page-cache bytes of these files (util-linux fincore)."""
+    completed = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return sum(int(line) for line in completed.stdout.split())
+
+
+def dd_ranges(source: Path, dest: Path, size: int, ranges: list[tuple[int, int]]) -> float:
+    """Seconds for plain dd of the ranges into a sparse file, flushed to disk at the end."""
+    dest.unlink(missing_ok=True)
+    started = time.monotonic()
+    with open(dest, "wb") as handle:
+        handle.truncate(size)
+    for begin, end in ranges:
+        subprocess.run(
+            [
+                "dd",
+                f"if={source}",
+                f"of={dest}",
+                f"bs={DD_BLOCK}",
+                "iflag=skip_bytes,count_bytes",
+                "oflag=seek_bytes",
+                "conv=notrunc",
+                f"skip={begin}",
+                f"seek={begin}",
+                f"count={end - begin}",
+                "status=none",
+            ],
+            check=True,
+            timeout=600,
+        )
+    fd = os.open(dest, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.monotonic() - started
+
+
+def byte_ranges(source: Path, config: dict[str, Any], rank: int) -> list[tuple[int, int]]:
+    """The header and the rank's rows: what the staging copies, for dd to copy too."""
+    header_len, tensors, _ = engram.read_safetensors_header(source)
+    geometry = engram.EngramGeometry.from_config(config)
+    assert geometry is not None
+    rows = engram.rank_byte_ranges(tensors, geometry, [rank], TP)
+    return engram.merge_ranges([(0, engram.HEADER_LENGTH_BYTES + header_len), *rows])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("/var/tmp/sparkdeploy-bench"))
+    parser.add_argument("--size", type=parse_size, default=parse_size("2.1GiB"))
+    parser.add_argument("--keep", action="store_true", help="keep the generated files")
+    args = parser.parse_args()
+    work: Path = args.dir
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        started = time.monotonic()
+        spec = EngramSpec.for_table_bytes(args.size, layer_ids=(1,), n_heads=3, head_dim=256)
+        repo = generate_repo(work / "repos", REPO, engram=spec, tp_size=TP, total_bytes=4096)
+        filename = repo.engram_shards[1]
+        snapshot = cache_repo(repo, work / "nas")
+        source = (snapshot / filename).resolve()
+        size = source.stat().st_size
+        print(
+            f"shard {filename}: {size / 2**30:.2f} GiB, generated in "
+            f"{time.monotonic() - started:.1f} s; disk of {work}, chunk "
+            f"{staging.node_staging.DEFAULT_CHUNK_BYTES // MIB} MiB, dd bs={DD_BLOCK}"
+        )
+        print(
+            "rank  share GiB  written/share  allocated/share  staging s  dd s  staging/dd  "
+            "Cached growth/copied  resident/copied  re-run s"
+        )
+        worst: dict[str, float] = {}
+        for rank in range(TP):
+            dest = work / f"node{rank}" / filename
+
+            def stage_rank() -> staging.StagingResult:
+                return staging.stage_engram(
+                    LocalPython(),
+                    f"node{rank}",  # noqa: B023 (called within this iteration)
+                    nas_hf_cache=str(work / "nas"),
+                    repo=REPO,
+                    revision=None,
+                    filename=filename,
+                    dest=str(dest),  # noqa: B023
+                    ranks=[rank],  # noqa: B023
+                    tp_size=TP,
+                )
+
+            staging_runs, dd_runs = [], []
+            for attempt in range(2):
+                drop_from_cache(source)
+                dd_runs.append(
+                    dd_ranges(source, work / "dd", size, byte_ranges(source, repo.config, rank))
+                )
+                (work / "dd").unlink()
+                if attempt:
+                    dest.unlink()
+                    Path(f"{dest}.manifest.json").unlink()
+                drop_from_cache(source)
+                cached_before = cached_bytes()
+                began = time.monotonic()
+                result = stage_rank()
+                staging_runs.append(time.monotonic() - began)
+                growth = max(0, cached_bytes() - cached_before)
+                assert result.status == "copied", result.status
+            resident = resident_bytes(source, dest)
+            rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+            began = time.monotonic()
+            rerun = stage_rank()
+            rerun_s = time.monotonic() - began
+            assert rerun.status == "skipped", rerun.status
+            staging_s, dd_s = min(staging_runs), min(dd_runs)
+            figures = {
+                "written/share": (result.copied_bytes - result.header_bytes) / result.share_bytes,
+                "allocated/share": result.allocated_bytes / result.share_bytes,
+                "staging/dd": staging_s / dd_s,
+                "Cached growth/copied": growth / result.copied_bytes,
+                "resident/copied": resident / result.copied_bytes,
+                "re-run s": rerun_s,
+                "re-run on-node s": rerun.seconds,
+                "node script peak RSS MiB": rss_mib,
+            }
+            for name, value in figures.items():
+                worst[name] = max(worst.get(name, 0.0), value)
+            print(
+                f"{rank:>4}  {result.share_bytes / 2**30:9.3f}  {figures['written/share']:13.3f}"
+                f"  {figures['allocated/share']:15.4f}  {staging_s:9.2f}  {dd_s:4.2f}"
+                f"  {figures['staging/dd']:10.2f}  {figures['Cached growth/copied']:20.4f}"
+                f"  {figures['resident/copied']:15.4f}  {rerun_s:8.3f}"
+            )
+        print("worst over ranks: " + json.dumps({k: round(v, 4) for k, v in worst.items()}))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
