@@ -100,10 +100,18 @@ def composed_cache(root: Path, repo: GeneratedRepo, ranks: Sequence[int] | None,
     return root
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A free loopback port not handed out before: the kernel may offer a just-closed one again."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass
@@ -565,6 +573,19 @@ def test_workers_exit_when_the_head_dies(engines: Engines) -> None:
     head.process.kill()
     assert worker.wait_exit() == 1
     assert "connection to the head" in worker.log()
+
+
+def test_a_worker_dying_after_ready_kills_the_head(engines: Engines) -> None:
+    master_port = free_port()
+    head = engines.start(*node_flags(0, 2, master_port))
+    worker = engines.start(
+        *node_flags(1, 2, master_port), env={"STANDIN_FAULT": "die_after_ready:0.3"}
+    )
+    assert worker.wait_exit() == 1
+    assert head.wait_exit() == 1
+    log = head.log()
+    assert log.index("Application startup complete") < log.index("EngineDeadError")
+    assert "the worker on node rank 1" in log
 
 
 def test_worker_with_a_wrong_master_address_times_out(engines: Engines) -> None:

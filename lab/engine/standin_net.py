@@ -114,6 +114,7 @@ class HeadRendezvous:
     workers: dict[int, WorkerLink] = field(default_factory=dict)
     failure: str | None = None
     ready: bool = False
+    closing: bool = False
     _lock: threading.Condition = field(default_factory=threading.Condition)
     _listener: socket.socket | None = None
 
@@ -208,7 +209,7 @@ class HeadRendezvous:
                 self.failure = f"node rank {link.node_rank} ({link.host}) closed its connection"
             self.workers.pop(link.node_rank, None)
             self._lock.notify_all()
-        if was_ready:
+        if was_ready and not self.closing:
             self.on_worker_lost(link.node_rank, link.host)
 
     def wait_all_loaded(self, deadline: float, timeout_s: float) -> None:
@@ -229,6 +230,8 @@ class HeadRendezvous:
             _send(link.sock, {"status": "ready"})
 
     def close(self) -> None:
+        with self._lock:
+            self.closing = True
         if self._listener is not None:
             self._listener.close()
         with self._lock:
