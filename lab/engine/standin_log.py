@@ -41,9 +41,6 @@ class Logger:
     def info(self, source: str, message: str) -> None:
         self._emit("INFO", source, message, sys.stdout)
 
-    def warning(self, source: str, message: str) -> None:
-        self._emit("WARNING", source, message, sys.stdout)
-
     def error(self, source: str, message: str) -> None:
         self._emit("ERROR", source, message, sys.stdout)
 

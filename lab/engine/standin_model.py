@@ -49,10 +49,6 @@ class Shard:
     path: Path
     tensors: Mapping[str, engram.TensorInfo]
 
-    @property
-    def data_bytes(self) -> int:
-        return sum(info.end - info.begin for info in self.tensors.values())
-
 
 @dataclass(frozen=True)
 class LoadedModel:
