@@ -1,5 +1,6 @@
 """`python -m lab up [--nodes N] [--name NAME]`, `python -m lab down [--name NAME]`,
-`python -m lab status [--name NAME]`, `python -m lab image [--name NAME]`."""
+`python -m lab status [--name NAME]`, `python -m lab image [--name NAME]`,
+`python -m lab models [--name NAME]` (the lab recipes' models, into the lab hub)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from lab.cluster import Lab
 from lab.image import build_engine_image
 from lab.layout import DEFAULT_NAME, DEFAULT_NODES
+from lab.models import publish_lab_models
 from sparkdeploy.errors import SparkDeployError
 
 
@@ -23,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         ("down", "tear the lab down, leaving nothing"),
         ("status", "addresses and processes of the lab, as JSON"),
         ("image", "build the engine stand-in image and push it to the lab registry"),
+        ("models", "generate the lab recipes' model repos into the lab hub"),
     ):
         commands.add_parser(command, help=help_text).add_argument("--name", default=DEFAULT_NAME)
     options = parser.parse_args(argv)
@@ -40,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
             except SparkDeployError:
                 lab = Lab(options.name)
             print(json.dumps(lab.status(), indent=2))
+        elif options.command == "models":
+            published = publish_lab_models(Lab.existing(options.name).hub_repos_dir)
+            for repo in published.values():
+                print(f"{repo.repo_id}: {len(repo.files)} files, {repo.total_bytes} bytes")
         else:
             print(build_engine_image(Lab.existing(options.name)))
     except SparkDeployError as error:

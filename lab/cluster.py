@@ -39,6 +39,7 @@ from lab.layout import (
     DEFAULT_NAME,
     DEFAULT_NODES,
     FABRIC_NETDEV,
+    HUB_PORT,
     REGISTRY_PORT,
     LabLayout,
 )
@@ -212,6 +213,7 @@ class Lab:
         layout.state_dir.mkdir(parents=True, exist_ok=True)
         (layout.nas_dir / "hf-cache").mkdir(parents=True, exist_ok=True)
         (layout.nas_dir / "runs").mkdir(parents=True, exist_ok=True)
+        layout.hub_repos_dir.mkdir(parents=True, exist_ok=True)
         client = _KeyPair.generate()
         _write(layout.identity_file, client.private_openssh, 0o600)
         _write(layout.identity_file.with_suffix(".pub"), client.public_line + "\n")
@@ -338,7 +340,24 @@ class Lab:
                     str(layout.state_dir / "registry.yml"),
                 ],
                 layout.state_dir / "registry.log",
-            )
+            ),
+            "hub": self._spawn(
+                [
+                    "nsenter",
+                    f"--net={NETNS_DIR / layout.bridge_netns}",
+                    "--",
+                    sys.executable,
+                    "-m",
+                    "lab.hub",
+                    "--repos",
+                    str(layout.hub_repos_dir),
+                    "--host",
+                    layout.registry_ip,
+                    "--port",
+                    str(HUB_PORT),
+                ],
+                layout.state_dir / "hub.log",
+            ),
         }
         for node in self.nodes:
             pids[f"{node}/sshd"] = self._spawn(
@@ -383,6 +402,7 @@ class Lab:
         layout = self.layout
         checks: dict[str, tuple[int, Any]] = {
             "registry": (pids["registry"], self._registry_answers),
+            "hub": (pids["hub"], self._hub_answers),
         }
         for node in self.nodes:
             sshd_pid = pids[f"{node}/sshd"]
@@ -413,8 +433,23 @@ class Lab:
         except OSError:
             return False
 
+    def _hub_answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.layout.hub_url}/_lab/stats", timeout=1) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+
+    @property
+    def hub_url(self) -> str:
+        return self.layout.hub_url
+
+    @property
+    def hub_repos_dir(self) -> Path:
+        return self.layout.hub_repos_dir
+
     def _logs(self) -> str:
-        logs = [self.layout.state_dir / "registry.log"]
+        logs = [self.layout.state_dir / "registry.log", self.layout.state_dir / "hub.log"]
         for node in self.nodes:
             node_dir = self.layout.node_dir(node)
             logs += [node_dir / name for name in ("nodeinit.log", "dockerd.log", "sshd.log")]
@@ -491,6 +526,8 @@ class Lab:
                     "drop_page_cache": False,
                 },
             )
+            + "\n"
+            + _toml_table("[hub]", {"endpoint": layout.hub_url})
             + "\n"
             + _toml_table(
                 "[nccl.lab]",

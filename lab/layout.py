@@ -21,6 +21,7 @@ DEFAULT_NODES = 3
 MAX_NODES = 32
 FABRIC_NETDEV = "enp1s0f1np1"
 REGISTRY_PORT = 5000
+HUB_PORT = 8080
 ENGINE_IMAGE = "lab/vllm-standin"
 _NAME_PATTERN = re.compile(r"[a-z][a-z0-9-]{0,19}")
 
@@ -68,6 +69,15 @@ class LabLayout:
     @property
     def registry(self) -> str:
         return f"{self.registry_ip}:{REGISTRY_PORT}"
+
+    @property
+    def hub_url(self) -> str:
+        """The lab's Hugging Face hub server, beside the registry in the bridge namespace."""
+        return f"http://{self.registry_ip}:{HUB_PORT}"
+
+    @property
+    def hub_repos_dir(self) -> Path:
+        return self.state_dir / "hub-repos"
 
     @property
     def host_link(self) -> str:

@@ -78,7 +78,15 @@ class PrefectServer:
         log_path = self.log_path or self.home / "server.log"
         with open(log_path, "ab") as log:
             self._process = subprocess.Popen(
-                [_prefect_cli(), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                [
+                    _prefect_cli(),
+                    "server",
+                    "start",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                ],
                 env=self.env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
