@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx2
 import pytest
-from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
 from lab.hub import HubServer
@@ -381,11 +380,11 @@ def test_503_burst_during_the_download_is_retried_inside(hub: HubServer, nas: Pa
 
 
 def test_cut_mid_file_resumes_with_only_the_missing_part(repos_dir: Path, nas: Path) -> None:
-    # huggingface_hub writes (and so resumes from) whole DOWNLOAD_CHUNK_SIZE chunks: bytes of a
-    # partial chunk in flight at the cut are fetched again, nothing before them.
-    chunk = hf_constants.DOWNLOAD_CHUNK_SIZE
-    generate_repo(repos_dir, "lab-org/big", num_shards=1, total_bytes=3 * chunk, dense_holes=True)
-    cut = chunk + chunk // 2
+    # huggingface_hub writes (and so resumes from) whole chunks: the bytes of the partial chunk
+    # in flight at the cut are fetched again, nothing before them.
+    chunk = pf.DOWNLOAD_CHUNK_BYTES
+    generate_repo(repos_dir, "lab-org/big", num_shards=1, total_bytes=12 * chunk, dense_holes=True)
+    cut = 7 * chunk + chunk // 2
     big = [pf.RepoSpec("lab-org/big")]
     with HubServer(repos_dir) as hub:
         [first] = pf.prefetch(big, nas, pf.HubAccess(hub.url))
@@ -397,7 +396,7 @@ def test_cut_mid_file_resumes_with_only_the_missing_part(repos_dir: Path, nas: P
         shard_gets = [r for r in hub.requests() if r.method == "GET" and "/resolve/" in r.path]
     assert [(r.range, r.bytes_sent) for r in shard_gets] == [
         (None, cut),
-        (f"bytes={chunk}-", shard.size - chunk),
+        (f"bytes={7 * chunk}-", shard.size - 7 * chunk),
     ]
     assert snapshot_matches_hub(outcome, repos_dir)
 

@@ -1,0 +1,209 @@
+"""Benchmark of sparkdeploy.prefetch against the lab hub on loopback.
+
+The hub runs as its own process (`python -m lab.hub`), so it does not share this process's GIL
+with the clients being measured; its fault switches and byte counter are used over HTTP.
+
+1. Cold prefetch of a multi-file repo (default 1 GiB) vs a plain parallel download of the same
+   files from the same server with the same number of connections (http.client threads):
+   ratio = plain time / prefetch time (target >= 0.8). Each is run --rounds times, alternating,
+   into fresh directories; the best time of each is compared.
+2. Warm re-run: bytes the hub served (target 0) and the time it took.
+3. A shard removed and the hub cutting its download mid-way: bytes fetched again vs the part
+   that was missing after the cut.
+
+    .venv/bin/python bench/prefetch.py [--gib 1.0] [--shards 8] [--connections 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import quote, urlsplit
+
+from huggingface_hub import HfApi
+from huggingface_hub.hf_api import RepoFile
+
+from lab.tinymodel import generate_repo
+from sparkdeploy.prefetch import DOWNLOAD_CHUNK_BYTES, HubAccess, RepoSpec, human_bytes, prefetch
+
+REPO = "bench-org/big"
+READ_CHUNK = 1 << 20
+
+
+def plain_download(url: str, sha: str, files: list[RepoFile], dest: Path, connections: int) -> None:
+    """GET every file over `connections` keep-alive HTTP/1.1 connections, one per thread."""
+    host = urlsplit(url)
+    queue = list(files)
+
+    def worker() -> None:
+        conn = http.client.HTTPConnection(host.hostname or "127.0.0.1", host.port, timeout=60)
+        try:
+            while queue:
+                try:
+                    entry = queue.pop()
+                except IndexError:
+                    return
+                conn.request("GET", f"/{REPO}/resolve/{sha}/{quote(entry.path)}")
+                response = conn.getresponse()
+                if response.status != 200:
+                    raise RuntimeError(f"{entry.path}: HTTP {response.status}")
+                target = dest / entry.path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "wb") as out:
+                    while chunk := response.read(READ_CHUNK):
+                        out.write(chunk)
+        finally:
+            conn.close()
+
+    with ThreadPoolExecutor(max_workers=connections) as pool:
+        for future in [pool.submit(worker) for _ in range(connections)]:
+            future.result()
+
+
+class HubProcess:
+    """`python -m lab.hub` in a child process; control and stats through /_lab/."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def _lab(self, path: str, body: dict[str, object] | None = None) -> dict[str, object]:
+        host = urlsplit(self.url)
+        conn = http.client.HTTPConnection(host.hostname or "127.0.0.1", host.port, timeout=30)
+        try:
+            if body is None:
+                conn.request("GET", path)
+            else:
+                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            payload = response.read()
+            if response.status != 200:
+                raise RuntimeError(f"lab hub {path}: HTTP {response.status} {payload[:200]!r}")
+            result: dict[str, object] = json.loads(payload or b"{}")
+            return result
+        finally:
+            conn.close()
+
+    def reset_stats(self) -> None:
+        self._lab("/_lab/stats", {"reset": True})
+
+    def stats(self) -> tuple[int, int]:
+        """(requests, file body bytes served) since the last reset."""
+        stats = self._lab("/_lab/stats")
+        return int(str(stats["requests"])), int(str(stats["bytes_served"]))
+
+    def cut_next_file(self, after_bytes: int) -> None:
+        self._lab("/_lab/faults", {"cut_next_file": after_bytes})
+
+
+@contextmanager
+def hub_process(repos: Path) -> Iterator[HubProcess]:
+    argv = [sys.executable, "-m", "lab.hub", "--repos", str(repos), "--host", "127.0.0.1"]
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        ready = json.loads(child.stdout.readline())
+        yield HubProcess(ready["url"])
+    finally:
+        child.terminate()
+        child.wait(timeout=30)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=1.0, help="repo size (dense weights)")
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-prefetch-"))
+    try:
+        repos = work / "repos"
+        generated = generate_repo(
+            repos, REPO, num_shards=args.shards, total_bytes=int(args.gib * (1 << 30))
+        )
+        total = generated.total_bytes
+        with hub_process(repos) as hub:
+            api = HfApi(endpoint=hub.url, token=False)
+            sha = api.model_info(REPO).sha or ""  # the hub hashes the repo now, untimed
+            files = [
+                e
+                for e in api.list_repo_tree(REPO, revision=sha, recursive=True)
+                if isinstance(e, RepoFile)
+            ]
+            access = HubAccess(hub.url, max_workers=args.connections)
+            print(
+                f"repo {REPO}: {len(files)} files, {human_bytes(total)}; "
+                f"{args.connections} connections; loopback {hub.url}"
+            )
+
+            plain_s: list[float] = []
+            prefetch_s: list[float] = []
+            for round_no in range(args.rounds):
+                dest = work / f"plain-{round_no}"
+                started = time.perf_counter()
+                plain_download(hub.url, sha, files, dest, args.connections)
+                plain_s.append(time.perf_counter() - started)
+                shutil.rmtree(dest)
+
+                nas = work / f"nas-{round_no}"
+                nas.mkdir()
+                started = time.perf_counter()
+                [outcome] = prefetch([RepoSpec(REPO)], nas, access)
+                prefetch_s.append(time.perf_counter() - started)
+                assert outcome.fetched_bytes == total
+                if round_no < args.rounds - 1:
+                    shutil.rmtree(nas)
+            best_plain, best_prefetch = min(plain_s), min(prefetch_s)
+            print(
+                f"cold: plain {best_plain:.2f} s ({human_bytes(total / best_plain)}/s), "
+                f"prefetch incl. sha256 verification {best_prefetch:.2f} s "
+                f"({human_bytes(total / best_prefetch)}/s); "
+                f"ratio plain/prefetch = {best_plain / best_prefetch:.2f} (target >= 0.80)"
+            )
+
+            hub.reset_stats()
+            started = time.perf_counter()
+            [warm] = prefetch([RepoSpec(REPO)], nas, access)
+            warm_s = time.perf_counter() - started
+            requests, served = hub.stats()
+            print(
+                f"warm: hub served {served} bytes (target 0), "
+                f"{requests} request(s), {warm_s * 1000:.0f} ms"
+            )
+
+            shard = max(warm.files, key=lambda f: f.size)
+            pointer = Path(warm.snapshot_dir) / shard.path
+            pointer.resolve().unlink()
+            pointer.unlink()
+            cut = shard.size // 2 + 12345  # not on a chunk boundary
+            hub.reset_stats()
+            hub.cut_next_file(after_bytes=cut)
+            [resumed] = prefetch([RepoSpec(REPO)], nas, access)
+            assert [f.path for f in resumed.files if f.fetched] == [shard.path]
+            refetched = hub.stats()[1] - cut
+            missing = shard.size - cut
+            print(
+                f"cut: {shard.path} ({human_bytes(shard.size)}) cut after "
+                f"{human_bytes(cut)}; the retry fetched {refetched} bytes for a missing part of "
+                f"{missing} bytes: ratio {refetched / missing:.3f} "
+                f"(+{refetched - missing} B: huggingface_hub resumes from its last whole "
+                f"{human_bytes(DOWNLOAD_CHUNK_BYTES)} write chunk)"
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
