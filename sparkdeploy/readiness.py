@@ -1,0 +1,169 @@
+"""Readiness of a booted deployment: every container's log, followed over SSH, fed to the gate.
+
+    gate = gate_for(plan)
+    result = wait_until_ready(plan, gate)      # GateResult, or errors.BootFailed
+
+For each node, `docker logs --follow <container>` streams over that node's SSH connection (stdout
+and stderr merged) into the gate's queue; when a log ends because its container stopped,
+`docker wait <container>` supplies the exit code. The gate decides (sparkdeploy.gate); the
+streams are stopped and their channels closed however it ends, and `gate.timeline` stays
+readable after a failure. Boot (starting the containers) is not done here.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from sparkdeploy.errors import BootFailed, RemoteError
+from sparkdeploy.gate import GateEvent, GateResult, ReadinessGate, follow_lines
+from sparkdeploy.plan import NodePlan, Plan
+from sparkdeploy.ssh import Connection, LineStream, SshTarget, cached_connection
+from sparkdeploy.vllm_markers import HEADLESS_WORKER_JOINED
+
+# The log streams outlive the gate's own timeout by this much, so the gate always decides first.
+STREAM_MARGIN_S = 30.0
+DOCKER_COMMAND_TIMEOUT_S = 15.0
+FOLLOWER_JOIN_S = 2.0
+
+ConnectionFactory = Callable[[SshTarget], Connection]
+
+
+def ssh_target(node: NodePlan) -> SshTarget:
+    return SshTarget(**node.ssh.model_dump())
+
+
+def head_of(plan: Plan) -> NodePlan:
+    return next(node for node in plan.nodes if node.role == "head")
+
+
+def gate_for(plan: Plan, *, started_at: float | None = None) -> ReadinessGate:
+    """The gate for this plan's nodes and markers; `started_at` (time.monotonic()) defaults to
+    now, and the timeline counts from it."""
+    head = head_of(plan)
+    # mp workers (--headless) print their join; Ray workers print nothing of vLLM's.
+    ray = head.serve_exec is not None
+    return ReadinessGate(
+        head=head.node,
+        workers=[node.node for node in plan.nodes if node.role == "worker"],
+        boot_markers=plan.boot_markers,
+        worker_markers=() if ray else (HEADLESS_WORKER_JOINED,),
+        failure_markers=plan.failure_markers,
+        started_at=started_at,
+    )
+
+
+class _Follower:
+    """One node's `docker logs --follow`, feeding the gate's queue from a thread."""
+
+    def __init__(self, node: NodePlan, connection: Connection, stop: threading.Event) -> None:
+        self.node = node
+        self.connection = connection
+        self.stop = stop
+        self.stream: LineStream | None = None
+        self.thread: threading.Thread | None = None
+
+    @property
+    def container(self) -> str:
+        return self.node.container.name
+
+    def check_container(self) -> None:
+        """A missing container would only surface as the gate's timeout: fail at once instead."""
+        result = self.connection.run(
+            ["docker", "container", "inspect", "--format", "{{.State.Status}}", self.container],
+            timeout=DOCKER_COMMAND_TIMEOUT_S,
+            check=False,
+        )
+        if result.exit_code != 0:
+            stderr = result.stderr.decode(errors="replace").strip()
+            cause = f"container {self.container} does not exist on {self.node.node}"
+            raise BootFailed(
+                f"readiness of {self.node.node}: {cause} (`docker container inspect`: {stderr})\n"
+                "fix: run the boot step first; if it ran, its log says why this container was "
+                "not started (or what removed it)",
+                node=self.node.node,
+                kind="container_missing",
+                cause=cause,
+                excerpt=[stderr] if stderr else [],
+            )
+
+    def start(self, events: queue.Queue[GateEvent], timeout_s: float) -> None:
+        self.stream = self.connection.stream_lines(
+            ["docker", "logs", "--follow", self.container],
+            timeout=timeout_s + STREAM_MARGIN_S,
+            stop=self.stop,
+        )
+        self.thread = follow_lines(events, self.node.node, self.stream, self.exit_code)
+
+    def exit_code(self) -> int | None:
+        """The container's exit code once its log has ended with it; None while it runs."""
+        if self.stop.is_set() or self.stream is None or self.stream.ended != "exited":
+            return None
+        try:
+            result = self.connection.run(
+                ["docker", "wait", self.container], timeout=DOCKER_COMMAND_TIMEOUT_S, check=False
+            )
+        except RemoteError:
+            return None  # still running after all: the log stream was cut, not ended
+        text = result.stdout.decode(errors="replace").strip()
+        return int(text) if result.exit_code == 0 and text.lstrip("-").isdigit() else None
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+        if self.thread is not None:
+            self.thread.join(FOLLOWER_JOIN_S)
+
+
+def wait_until_ready(
+    plan: Plan,
+    gate: ReadinessGate,
+    *,
+    timeout_s: float | None = None,
+    connection_for: ConnectionFactory = cached_connection,
+) -> GateResult:
+    """Follow every node's container until `gate` says ready (or raises errors.BootFailed).
+
+    `timeout_s` defaults to the recipe's readiness timeout; it counts from the gate's start.
+    """
+    timeout = plan.readiness_timeout_s if timeout_s is None else timeout_s
+    events: queue.Queue[GateEvent] = queue.Queue()
+    stop = threading.Event()
+    nodes = plan.nodes
+
+    def attach(node: NodePlan) -> _Follower:
+        try:
+            follower = _Follower(node, connection_for(ssh_target(node)), stop)
+            follower.check_container()
+            follower.start(events, timeout)
+        except RemoteError as error:
+            raise type(error)(
+                f"node {node.node}: following its container's log: {error}"
+            ) from error
+        return follower
+
+    followers: list[_Follower] = []
+    try:
+        with ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="readiness") as pool:
+            futures = [pool.submit(attach, node) for node in nodes]
+        errors = []
+        for future in futures:
+            error = future.exception()
+            if error is None:
+                followers.append(future.result())
+            else:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+        return gate.wait(
+            events,
+            endpoint=plan.endpoint,
+            served_model_name=plan.served_model_name,
+            timeout_s=timeout,
+        )
+    finally:
+        stop.set()
+        for follower in followers:
+            follower.close()
