@@ -1,0 +1,323 @@
+"""Start a plan's containers on its nodes: stale ones out, preflight, RDMA facts, then run.
+
+`boot(plan)` in order:
+1. our stale containers on these nodes go (any container labelled sparkdeploy.deployment: the
+   node lock says no live deployment of ours is there, and FACTS.md says a worker that meets an
+   old head hangs). Their logs are saved like teardown saves them. Others' containers are never
+   touched.
+2. preflight on every node at once (sparkdeploy.node_probe, one round trip each): docker up,
+   the image present with one ID on all nodes, the mount sources (composed dir, NAS cache)
+   present, GPUs visible when the plan asks for GPUs, enough MemAvailable; optionally the page
+   cache dropped first. Every node's problems are reported together.
+3. "auto" HCAs / GID index resolved from the node's sysfs (unset, and logged, without RDMA).
+4. containers started: mp = the head, then the workers (--headless) in parallel; Ray = the head,
+   then the workers, then `vllm serve` exec'd in the head with its output on the container's
+   log, where the readiness gate reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkdeploy.docker_remote import (
+    DEPLOYMENT_LABEL,
+    Log,
+    Runner,
+    checked,
+    docker,
+    on_nodes,
+    plan_targets,
+    probe,
+    stderr_text,
+)
+from sparkdeploy.errors import BootError
+from sparkdeploy.plan import NodePlan, Plan
+from sparkdeploy.ssh import cached_connection
+from sparkdeploy.teardown import RemovedContainer, remove_labelled
+
+GIB = 1024**3
+DEFAULT_MIN_MEMORY_BYTES = 8 * GIB
+RUN_TIMEOUT_S = 120.0
+STALE_STOP_TIMEOUT_S = 10
+# Runs the serve argv with its output on the container's own stdout/stderr (the log the gate
+# follows). The script is fixed text; the argv arrives as "$@", never parsed by the shell.
+_ON_CONTAINER_LOG = 'exec "$@" >/proc/1/fd/1 2>/proc/1/fd/2'
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeCheck:
+    """One node's preflight facts."""
+
+    node: str
+    docker_version: str
+    image_id: str
+    mem_available_bytes: int
+    gpus: int | None  # None when the plan asks for no GPUs
+    detected_env: dict[str, str]  # NCCL_IB_HCA / NCCL_IB_GID_INDEX resolved from "auto"
+    notes: list[str] = field(default_factory=list)
+    page_cache_dropped: bool = False
+
+
+@dataclass(frozen=True)
+class BootedNode:
+    node: str
+    rank: int
+    role: str
+    container_id: str
+    container_name: str
+    started_at: float  # epoch seconds, when its `docker run` returned
+
+
+@dataclass(frozen=True)
+class BootResult:
+    deployment_id: str
+    started_at: float  # epoch seconds, just before the first `docker run`
+    nodes: list[BootedNode]
+    checks: dict[str, NodeCheck]
+    stale_removed: list[RemovedContainer]
+
+    @property
+    def container_ids(self) -> dict[str, str]:
+        return {booted.node: booted.container_id for booted in self.nodes}
+
+
+def _mount_sources(node: NodePlan) -> list[str]:
+    sources = [mount.source for mount in node.container.mounts]
+    if node.composed is not None and node.composed.root not in sources:
+        sources.append(node.composed.root)
+    return sources
+
+
+def _detected_env(node: NodePlan, rdma: dict[str, Any] | None, notes: list[str]) -> dict[str, str]:
+    """NCCL_IB_HCA / NCCL_IB_GID_INDEX for the settings the inventory leaves to "auto"."""
+    if rdma is None:
+        return {}
+    notes.extend(rdma["notes"])
+    if not rdma["devices"]:
+        return {}
+    env = {}
+    if node.roce_hcas == "auto":
+        if rdma["hcas"]:
+            env["NCCL_IB_HCA"] = ",".join(rdma["hcas"])
+        else:
+            notes.append("no active RoCE HCA: NCCL_IB_HCA left unset (NCCL picks or uses sockets)")
+    if node.gid_index == "auto" and rdma["gid_index"] is not None:
+        env["NCCL_IB_GID_INDEX"] = str(rdma["gid_index"])
+    elif node.gid_index == "auto":
+        notes.append("no RoCE v2 IPv4 GID: NCCL_IB_GID_INDEX left unset (NCCL's auto)")
+    return env
+
+
+def _node_problems(
+    node: NodePlan, answer: dict[str, Any], min_memory_bytes: int, drop_page_cache: bool
+) -> list[str]:
+    if "error" in answer["docker"]:
+        return [f"docker does not answer ({answer['docker']['error']}): start dockerd there"]
+    problems = []
+    if answer["image"] is None:
+        problems.append(
+            f"image {node.container.image} is not there: run the image step first"
+            " (sparkdeploy.images.ensure_image)"
+        )
+    for path in answer["missing_paths"]:
+        problems.append(
+            f"{path} does not exist (a mount source of the container): run the prefetch/compose"
+            " steps, or check the inventory's nas and node_paths"
+        )
+    if node.container.gpus and not answer["gpus"]:
+        problems.append(
+            "no GPU visible (`nvidia-smi -L` lists none or is missing): check the driver, or set"
+            ' [docker] gpus = "" in the inventory for a cluster without GPUs'
+        )
+    if drop_page_cache and not answer["page_cache_dropped"]:
+        problems.append(
+            f"dropping the page cache failed ({answer.get('page_cache_error')}): the SSH user"
+            " needs root for /proc/sys/vm/drop_caches, or set [docker] drop_page_cache = false"
+        )
+    available = answer["mem_available_bytes"]
+    if available < min_memory_bytes:
+        problems.append(
+            f"only {available / GIB:.1f} GiB of memory available, {min_memory_bytes / GIB:.1f}"
+            " GiB needed: stop what uses it (or enable [docker] drop_page_cache)"
+        )
+    return problems
+
+
+def preflight(
+    plan: Plan,
+    *,
+    drop_page_cache: bool = False,
+    min_memory_bytes: int = DEFAULT_MIN_MEMORY_BYTES,
+    log: Log = _LOG.info,
+) -> dict[str, NodeCheck]:
+    """Every node checked at once; BootError listing every node's problems, else the facts."""
+    by_name = {node.node: node for node in plan.nodes}
+    targets = plan_targets(plan)
+
+    def check(runner: Runner, name: str) -> dict[str, Any]:
+        node = by_name[name]
+        request = {
+            "image": node.container.image,
+            "paths": _mount_sources(node),
+            "gpus": bool(node.container.gpus),
+            "fabric_ip": node.fabric_ip,
+            "detect_rdma": node.roce_hcas == "auto" or node.gid_index == "auto",
+            "drop_page_cache": drop_page_cache,
+        }
+        return probe(runner, name, "preflight", request)
+
+    answers = on_nodes(targets, check)
+    problems = []
+    checks = {}
+    for name, answer in answers.items():
+        node = by_name[name]
+        node_problems = _node_problems(node, answer, min_memory_bytes, drop_page_cache)
+        problems += [f"node {name}: {problem}" for problem in node_problems]
+        if node_problems:
+            continue
+        notes: list[str] = []
+        checks[name] = NodeCheck(
+            node=name,
+            docker_version=answer["docker"]["version"],
+            image_id=answer["image"]["id"],
+            mem_available_bytes=answer["mem_available_bytes"],
+            gpus=answer["gpus"],
+            detected_env=_detected_env(node, answer.get("rdma"), notes),
+            notes=notes,
+            page_cache_dropped=answer["page_cache_dropped"],
+        )
+    image_ids = {check.image_id for check in checks.values()}
+    if not problems and len(image_ids) > 1:
+        listed = ", ".join(f"{name} has {check.image_id[:19]}" for name, check in checks.items())
+        problems.append(
+            f"{plan.nodes[0].container.image} differs between nodes ({listed}): mismatched"
+            " images boot and hang; run the image step again"
+        )
+    if problems:
+        raise BootError(
+            f"deployment {plan.deployment_id}: preflight failed:\n" + "\n".join(problems)
+        )
+    for name, node_check in checks.items():
+        detected = ", ".join(f"{k}={v}" for k, v in node_check.detected_env.items()) or "none"
+        log(
+            f"node {name}: docker {node_check.docker_version}, image {node_check.image_id[:19]},"
+            f" {node_check.mem_available_bytes / GIB:.1f} GiB available"
+            + (f", {node_check.gpus} GPUs" if node_check.gpus is not None else "")
+            + (", page cache dropped" if node_check.page_cache_dropped else "")
+            + f"; detected {detected}"
+        )
+        for note in node_check.notes:
+            log(f"node {name}: {note}")
+    return checks
+
+
+def stop_stale(plan: Plan, *, log: Log = _LOG.info) -> list[RemovedContainer]:
+    """Every sparkdeploy container on the plan's nodes removed, its log saved in runs_dir."""
+    removed = remove_labelled(
+        plan_targets(plan),
+        DEPLOYMENT_LABEL,
+        plan.runs_dir,
+        stop_timeout_s=STALE_STOP_TIMEOUT_S,
+    )
+    for container in removed:
+        log(
+            f"node {container.node}: removed stale container {container.name}"
+            f" (deployment {container.deployment_id}, {container.status}); log in"
+            f" {container.log_path}"
+        )
+    return removed
+
+
+def _run(runner: Runner, node: NodePlan, extra_env: Mapping[str, str]) -> str:
+    spec = node.container
+    if extra_env:
+        spec = spec.model_copy(update={"env": {**spec.env, **extra_env}})
+    argv = spec.docker_run_argv()
+    result = docker(runner, argv[1:], timeout=RUN_TIMEOUT_S)
+    if result.exit_code != 0:
+        raise BootError(
+            f"node {node.node}: `docker run` of {spec.name} exited {result.exit_code}:"
+            f" {stderr_text(result)}; a name conflict means a container of that name that is not"
+            " ours exists there: remove or rename it"
+        )
+    return result.stdout.decode().strip().splitlines()[-1]
+
+
+def start_containers(
+    plan: Plan, checks: Mapping[str, NodeCheck], *, log: Log = _LOG.info
+) -> list[BootedNode]:
+    """The plan's containers started in the order its backend needs (module docstring)."""
+    targets = plan_targets(plan)
+    head, workers = plan.nodes[0], plan.nodes[1:]
+
+    def start(node: NodePlan, runner: Runner) -> BootedNode:
+        container_id = _run(runner, node, checks[node.node].detected_env)
+        log(f"node {node.node}: started {node.container.name} ({container_id[:12]}) as {node.role}")
+        return BootedNode(
+            node=node.node,
+            rank=node.rank,
+            role=node.role,
+            container_id=container_id,
+            container_name=node.container.name,
+            started_at=time.time(),
+        )
+
+    head_runner = cached_connection(targets[head.node])
+    booted = [start(head, head_runner)]
+    by_name = {node.node: node for node in workers}
+    worker_targets = {node.node: targets[node.node] for node in workers}
+    started = on_nodes(worker_targets, lambda runner, name: start(by_name[name], runner))
+    booted += [started[node.node] for node in workers]
+    if head.serve_exec:
+        checked(
+            head.node,
+            docker(
+                head_runner,
+                [
+                    "exec",
+                    "-d",
+                    head.container.name,
+                    "sh",
+                    "-c",
+                    _ON_CONTAINER_LOG,
+                    "sh",
+                    *head.serve_exec,
+                ],
+            ),
+            f"starting `{' '.join(head.serve_exec[:2])}` in {head.container.name}",
+            "check that the Ray head container is running (`docker logs` on the head)",
+        )
+        log(f"node {head.node}: started the serve in {head.container.name}")
+    return booted
+
+
+def boot(
+    plan: Plan,
+    *,
+    drop_page_cache: bool = False,
+    min_memory_bytes: int = DEFAULT_MIN_MEMORY_BYTES,
+    log: Log = _LOG.info,
+) -> BootResult:
+    """Stale containers out, preflight, then the plan's containers started (module docstring).
+
+    The caller holds the plan's node locks (sparkdeploy.locks) for the deployment's life.
+    """
+    stale = stop_stale(plan, log=log)
+    checks = preflight(
+        plan, drop_page_cache=drop_page_cache, min_memory_bytes=min_memory_bytes, log=log
+    )
+    started_at = time.time()
+    booted = start_containers(plan, checks, log=log)
+    return BootResult(
+        deployment_id=plan.deployment_id,
+        started_at=started_at,
+        nodes=booted,
+        checks=checks,
+        stale_removed=stale,
+    )
