@@ -817,3 +817,10 @@ def test_unknown_fault_switch_is_refused() -> None:
         Faults.parse("fatal:meteor", 0)
     assert Faults.parse("crash@1+2,slow_boot:3", 2).active == {"crash": "", "slow_boot": "3"}
     assert Faults.parse("crash@1+2", 0).active == {}
+
+
+def test_repeats_a_sentence_word_for_word() -> None:
+    from lab.engine.standin_answers import answer
+    from sparkdeploy.smoke import COPY_PROMPT, COPY_SENTENCE
+
+    assert answer(COPY_PROMPT) == COPY_SENTENCE

@@ -85,11 +85,20 @@ def canary_answer(prompt: str) -> str | None:
     return None
 
 
+REPEAT_REQUEST = re.compile(
+    r"^Repeat the following sentence exactly[^\n]*\n(?P<sentence>.+)$", re.S
+)
+
+
 def answer(prompt: str) -> str:
-    """The stand-in's reply to a prompt: a canary's answer, or a reply naming its topics."""
+    """The stand-in's reply: a canary's answer, a sentence it was asked to repeat, or a reply
+    naming the prompt's topics."""
     canary = canary_answer(prompt)
     if canary is not None:
         return canary
+    repeat = REPEAT_REQUEST.match(prompt.strip())
+    if repeat is not None:
+        return repeat.group("sentence").strip()
     topics: list[str] = []
     for word in re.findall(r"[A-Za-z]{4,}", prompt):
         if word.lower() not in topics:
