@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,10 +19,11 @@ from huggingface_hub import snapshot_download
 from local_node import LocalPython
 
 from lab.tinymodel import EngramSpec, generate_repo
-from sparkdeploy import compose
+from sparkdeploy import compose, staging
 from sparkdeploy.errors import ComposeError
 
 REPO = "lab-org/TinyEngram"
+STANDIN = Path(__file__).resolve().parents[1] / "lab" / "engine" / "vllm_standin.py"
 
 
 @dataclass
@@ -170,3 +176,88 @@ def test_a_dir_not_built_by_us_is_never_replaced(layout: Layout) -> None:
     with pytest.raises(ComposeError, match=r"\[foreign_dir\]"):
         run(layout)
     assert (layout.root / "precious").read_text() == "keep"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def health(port: int) -> int | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
+            return int(reply.status)
+    except OSError:
+        return None
+
+
+def test_engine_standin_boots_offline_from_staged_and_composed_dirs(tmp_path: Path) -> None:
+    """Three "nodes" at TP 3: each stages its rank's sparse copies, composes, boots the engine
+    stand-in on the composed dir; each stand-in checks its own rank's Engram rows."""
+    repo = generate_repo(tmp_path / "repos", REPO, engram=EngramSpec(n_heads=3), tp_size=3)
+    nas = tmp_path / "nas"
+    cache_repo(repo, nas)
+    roots = []
+    for rank in range(3):
+        engram_root = tmp_path / f"node{rank}" / "engram-local"
+        local_files = []
+        for shard in repo.engram_shards.values():
+            staged = staging.stage_engram(
+                LocalPython(),
+                f"node{rank}",
+                nas_hf_cache=str(nas),
+                repo=REPO,
+                revision=None,
+                filename=shard,
+                dest=str(engram_root / shard),
+                ranks=[rank],
+                tp_size=3,
+            )
+            assert staged.status == "copied"
+            local_files.append(staged.dest)
+        root = tmp_path / f"node{rank}" / "composed" / "tiny"
+        composed = compose.compose_model(
+            LocalPython(),
+            f"node{rank}",
+            root=str(root),
+            nas_hf_cache=str(nas),
+            sources=[(REPO, None)],
+            local_files=local_files,
+        )
+        assert composed.status == "built"
+        roots.append(root)
+    api_port, master_port = free_port(), free_port()
+    engines: list[tuple[subprocess.Popen[bytes], Path]] = []
+    try:
+        for rank, root in enumerate(roots):
+            argv = [sys.executable, str(STANDIN), "serve", REPO, "--tensor-parallel-size", "3"]
+            argv += ["--nnodes", "3", "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
+            argv += ["--master-port", str(master_port)]
+            argv += ["--headless"] if rank else ["--host", "127.0.0.1", "--port", str(api_port)]
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("STANDIN_", "VLLM_"))}
+            env.update(
+                HF_HUB_OFFLINE="1",
+                HF_HUB_CACHE=str(root),
+                VLLM_HOST_IP=f"127.0.0.{rank + 1}",
+                PYTHONPATH=str(STANDIN.parents[2]),
+            )
+            log_path = tmp_path / f"engine{rank}.log"
+            with open(log_path, "wb") as log:
+                process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            engines.append((process, log_path))
+        head = engines[0][0]
+        deadline = time.monotonic() + 60
+        while health(api_port) != 200 and head.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        logs = [log_path.read_text() for _, log_path in engines]
+        assert health(api_port) == 200, logs[0]
+    finally:
+        for process, _ in engines:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=10)
+    for rank, log in enumerate(logs):
+        verified = [line for line in log.splitlines() if "Engram table verified" in line]
+        assert len(verified) == len(repo.engram_shards), log
+        assert all(f"of TP rank {rank}/3" in line for line in verified), log
