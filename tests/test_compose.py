@@ -243,8 +243,8 @@ def test_engine_standin_boots_offline_from_staged_and_composed_dirs(tmp_path: Pa
                 PYTHONPATH=str(STANDIN.parents[2]),
             )
             log_path = tmp_path / f"engine{rank}.log"
-            with open(log_path, "wb") as log:
-                process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            with open(log_path, "wb") as log_file:
+                process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
             engines.append((process, log_path))
         head = engines[0][0]
         deadline = time.monotonic() + 60
