@@ -283,7 +283,7 @@ class LineStream:
 
     def _should_end(self, last_output: float) -> StreamEnd | None:
         now = time.monotonic()
-        if self._stop.is_set() or self._channel.closed:
+        if self._stop.is_set():
             return "stopped"
         if now >= self._deadline:
             return "timeout"
