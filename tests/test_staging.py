@@ -5,8 +5,10 @@ Each test stages a lab.tinymodel Engram shard from an HF cache laid out as the N
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -17,8 +19,9 @@ import pytest
 from hfcache_layout import cache_repo, commit_of
 from local_node import LocalPython
 
+from lab.cluster import Lab
 from lab.tinymodel import EngramSpec, generate_repo
-from sparkdeploy import staging
+from sparkdeploy import compose, ssh, staging
 from sparkdeploy.engram import read_safetensors_header
 from sparkdeploy.errors import StagingError
 
@@ -249,3 +252,71 @@ def test_progress_is_relayed(nas: Nas, tmp_path: Path) -> None:
         on_progress=lambda node, done, total: seen.append((node, done, total)),
     )
     assert seen and seen[-1][0] == "node-test" and seen[-1][1] == seen[-1][2] > 0
+
+
+@pytest.mark.lab
+def test_lab_nodes_stage_their_ranks_over_ssh_and_compose(lab_cluster: Lab) -> None:
+    """Three lab nodes at TP 3, over real SSH: staging, a skipped re-run, the composed dir."""
+    repo_id = "lab-org/StagingOverSsh"
+    generated = generate_repo(
+        lab_cluster.nas_dir / "staging-test-repos", repo_id, engram=SPEC, tp_size=TP
+    )
+    hf_cache = lab_cluster.nas_dir / "hf-cache"
+    snapshot = cache_repo(generated, hf_cache)
+    engram_dir = "/var/tmp/engram-local/StagingOverSsh"
+    composed_root = "/var/tmp/sparkdeploy/composed/staging-over-ssh"
+    try:
+        for rank, node in enumerate(lab_cluster.nodes):
+            with ssh.connect(lab_cluster.ssh_target(node)) as connection:
+                local_files = []
+                for shard in generated.engram_shards.values():
+
+                    def stage_over_ssh() -> staging.StagingResult:
+                        return staging.stage_engram(
+                            connection,
+                            node,  # noqa: B023
+                            nas_hf_cache=str(hf_cache),
+                            repo=repo_id,
+                            revision=None,
+                            filename=shard,  # noqa: B023
+                            dest=f"{engram_dir}/{shard}",  # noqa: B023
+                            ranks=[rank],  # noqa: B023
+                            tp_size=TP,
+                        )
+
+                    result = stage_over_ssh()
+                    assert result.status == "copied"
+                    data = (snapshot / shard).read_bytes()
+                    assert list(result.range_sha256) == [
+                        hashlib.sha256(data[begin:end]).hexdigest() for begin, end in result.ranges
+                    ]
+                    assert stage_over_ssh().status == "skipped"
+                    local_files.append(result.dest)
+                composed = compose.compose_model(
+                    connection,
+                    node,
+                    root=composed_root,
+                    nas_hf_cache=str(hf_cache),
+                    sources=[(repo_id, None)],
+                    local_files=local_files,
+                )
+                assert composed.status == "built"
+                for local, entry in composed.hardlinks:
+                    inodes = connection.run(["stat", "-c", "%i", local, entry], timeout=10)
+                    first, second = inodes.stdout.split()
+                    assert first == second
+                again = compose.compose_model(
+                    connection,
+                    node,
+                    root=composed_root,
+                    nas_hf_cache=str(hf_cache),
+                    sources=[(repo_id, None)],
+                    local_files=local_files,
+                )
+                assert again.status == "unchanged"
+    finally:
+        for node in lab_cluster.nodes:
+            with ssh.connect(lab_cluster.ssh_target(node)) as connection:
+                connection.run(["rm", "-rf", engram_dir, composed_root], timeout=30)
+        shutil.rmtree(hf_cache / "models--lab-org--StagingOverSsh", ignore_errors=True)
+        shutil.rmtree(lab_cluster.nas_dir / "staging-test-repos", ignore_errors=True)
