@@ -90,9 +90,12 @@ class _Follower:
             )
 
     def start(self, events: queue.Queue[GateEvent], timeout_s: float) -> None:
+        lifetime_s = timeout_s + STREAM_MARGIN_S
+        # `timeout` bounds the follower on the node too: closing the SSH channel alone leaves
+        # `docker logs` running until its container prints again.
         self.stream = self.connection.stream_lines(
-            ["docker", "logs", "--follow", self.container],
-            timeout=timeout_s + STREAM_MARGIN_S,
+            ["timeout", f"{lifetime_s:.0f}", "docker", "logs", "--follow", self.container],
+            timeout=lifetime_s,
             stop=self.stop,
         )
         self.thread = follow_lines(events, self.node.node, self.stream, self.exit_code)

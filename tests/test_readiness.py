@@ -1,0 +1,159 @@
+"""Readiness over real SSH on the lab: Connection.stream_lines, then sparkdeploy.readiness
+following engine stand-in containers on the lab nodes (good boot, fatal lines on the head and on
+a worker, an OOM kill, a missing container)."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from readiness_lab import Deployment, cache_tiny_model, lab_plan
+
+from lab.cluster import Lab
+from sparkdeploy.errors import BootFailed
+from sparkdeploy.readiness import gate_for, wait_until_ready
+from sparkdeploy.ssh import Connection, cached_connection
+
+pytestmark = pytest.mark.lab
+
+GOOD_BOOT_S = 90.0
+# A fault shows within seconds; the timeout only bounds a test that went wrong.
+FAULT_BOOT_S = 60.0
+PROCESS_GONE_S = 5.0
+
+
+@pytest.fixture
+def node1(lab_cluster: Lab) -> Connection:
+    return cached_connection(lab_cluster.ssh_target(lab_cluster.nodes[0]))
+
+
+def test_stream_lines_merges_stdout_and_stderr_in_order_then_gives_the_exit_code(
+    node1: Connection,
+) -> None:
+    script = "echo one; echo two >&2; sleep 0.2; printf 'three\\r\\nno newline'; exit 3"
+    stream = node1.stream_lines(["sh", "-c", script], timeout=10)
+    assert list(stream) == [b"one", b"two", b"three", b"no newline"]
+    assert (stream.ended, stream.exit_code) == ("exited", 3)
+
+
+def _running_on_node(connection: Connection, token: str) -> bool:
+    listing = connection.run(["ps", "-eo", "args"], timeout=10).stdout.decode()
+    return any(token in line and "ps -eo" not in line for line in listing.splitlines())
+
+
+def test_stream_lines_ends_when_stopped_and_the_remote_command_goes(node1: Connection) -> None:
+    token = secrets.token_hex(6)
+    stop = threading.Event()
+    stream = node1.stream_lines(
+        ["sh", "-c", f"while sleep 0.1; do echo tick-{token}; done"], timeout=60, stop=stop
+    )
+    received = []
+    for line in stream:
+        received.append(line)
+        if len(received) == 3:
+            stop.set()
+    assert received == [f"tick-{token}".encode()] * 3
+    assert (stream.ended, stream.exit_code) == ("stopped", None)
+    deadline = time.monotonic() + PROCESS_GONE_S
+    while _running_on_node(node1, token) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running_on_node(node1, token), "the remote loop outlived its stream"
+
+
+def test_stream_lines_ends_at_its_timeout_and_when_idle(node1: Connection) -> None:
+    timed = node1.stream_lines(["sh", "-c", "while sleep 0.1; do echo tick; done"], timeout=1)
+    assert set(timed) <= {b"tick"} and (timed.ended, timed.exit_code) == ("timeout", None)
+    idle = node1.stream_lines(["sh", "-c", "echo once; sleep 5"], timeout=30, idle_timeout=0.5)
+    assert list(idle) == [b"once"] and (idle.ended, idle.exit_code) == ("idle", None)
+
+
+# -- readiness of stand-in containers ----------------------------------------------------------
+
+
+@pytest.fixture
+def deployments(
+    lab_cluster: Lab, lab_engine_image: str, tmp_path: Path
+) -> Iterator[list[Deployment]]:
+    """Deployments a test starts; all their containers are removed afterwards."""
+    cache_tiny_model(lab_cluster)
+    started: list[Deployment] = []
+    yield started
+    for deployment in started:
+        deployment.remove()
+    assert not [name for d in started for name in d.remaining()]
+
+
+def deploy(
+    lab: Lab, tmp_path: Path, started: list[Deployment], *, nodes: int, fault: str = ""
+) -> Deployment:
+    name = f"ready-{secrets.token_hex(3)}"
+    deployment = Deployment(lab_plan(lab, tmp_path / "recipes", name, nodes=nodes, fault=fault))
+    started.append(deployment)
+    deployment.start()
+    return deployment
+
+
+def test_three_nodes_are_ready_with_the_timeline_of_every_node(
+    lab_cluster: Lab, tmp_path: Path, deployments: list[Deployment]
+) -> None:
+    plan = deploy(lab_cluster, tmp_path, deployments, nodes=3).plan
+    gate = gate_for(plan)
+    result = wait_until_ready(plan, gate, timeout_s=GOOD_BOOT_S)
+    head, *workers = [node.node for node in plan.nodes]
+    joined = [entry.node for entry in result.timeline if entry.marker == "headless_worker_joined"]
+    assert sorted(joined) == workers
+    head_markers = [entry.marker for entry in result.timeline if entry.node == head]
+    assert head_markers[-2:] == ["application_ready", "endpoint_ready"]
+    assert result.figures["kv_cache_tokens"] > 0 and result.figures["max_concurrency"] > 0
+    assert gate.timeline == result.timeline
+
+
+@pytest.mark.parametrize(
+    ("fault", "rank", "kind", "quoted"),
+    [
+        ("fatal:cuda_oom", 0, "cuda_out_of_memory", "CUDA out of memory"),
+        ("fatal:free_memory@1", 1, "free_memory_below_utilization", "Free memory on device"),
+    ],
+)
+def test_a_fatal_line_fails_naming_the_node_and_the_cause(
+    lab_cluster: Lab,
+    tmp_path: Path,
+    deployments: list[Deployment],
+    fault: str,
+    rank: int,
+    kind: str,
+    quoted: str,
+) -> None:
+    plan = deploy(lab_cluster, tmp_path, deployments, nodes=2, fault=fault).plan
+    gate = gate_for(plan)
+    with pytest.raises(BootFailed) as caught:
+        wait_until_ready(plan, gate, timeout_s=FAULT_BOOT_S)
+    error = caught.value
+    assert (error.node, error.kind) == (plan.nodes[rank].node, kind)
+    assert quoted in error.cause and any(quoted in line for line in error.excerpt)
+    assert f"boot failed on {plan.nodes[rank].node}" in str(error)
+
+
+def test_exit_137_is_named_an_oom_kill(
+    lab_cluster: Lab, tmp_path: Path, deployments: list[Deployment]
+) -> None:
+    plan = deploy(lab_cluster, tmp_path, deployments, nodes=1, fault="exit137").plan
+    with pytest.raises(BootFailed) as caught:
+        wait_until_ready(plan, gate_for(plan), timeout_s=FAULT_BOOT_S)
+    assert (caught.value.node, caught.value.kind) == (plan.nodes[0].node, "oom_killed")
+    assert "OOM-killed" in str(caught.value)
+
+
+def test_a_container_that_was_never_started_fails_at_once(
+    lab_cluster: Lab, tmp_path: Path, deployments: list[Deployment]
+) -> None:
+    plan = lab_plan(lab_cluster, tmp_path / "recipes", "never-started", nodes=1)
+    with pytest.raises(BootFailed) as caught:
+        wait_until_ready(plan, gate_for(plan), timeout_s=FAULT_BOOT_S)
+    error = caught.value
+    assert (error.node, error.kind) == (plan.nodes[0].node, "container_missing")
+    assert plan.nodes[0].container.name in error.cause
