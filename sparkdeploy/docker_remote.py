@@ -46,7 +46,9 @@ _UNREACHABLE = re.compile(
     r"network is unreachable|no such host|server misbehaving|temporary failure in name resolution",
     re.IGNORECASE,
 )
-_DAEMON_DOWN = re.compile(r"cannot connect to the docker daemon|is the docker daemon running")
+_DAEMON_DOWN = re.compile(
+    r"cannot connect to the docker daemon|is the docker daemon running", re.IGNORECASE
+)
 
 
 class Runner(Protocol):

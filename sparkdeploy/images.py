@@ -218,13 +218,14 @@ def _on_some(
     return on_nodes({node: targets[node] for node in nodes}, work)
 
 
-def _check_same_id(image: str, facts: Mapping[str, _Facts], reference_node: str) -> str:
-    expected = facts[reference_node].image_id
-    missing = [node for node, fact in facts.items() if fact.image_id is None]
+def same_image_id(image: str, image_ids: Mapping[str, str | None], reference_node: str) -> str:
+    """The one image ID every node holds; ImageError naming the nodes that differ or lack it."""
+    expected = image_ids[reference_node]
+    missing = [node for node, image_id in image_ids.items() if image_id is None]
     odd = [
-        f"{node} has {fact.image_id}"
-        for node, fact in facts.items()
-        if fact.image_id not in (None, expected)
+        f"{node} has {image_id}"
+        for node, image_id in image_ids.items()
+        if image_id not in (None, expected)
     ]
     if missing or odd or expected is None:
         problems = [f"missing on {', '.join(missing)}"] if missing else []
@@ -260,7 +261,7 @@ def ensure_image(
     else:
         outcome = _ensure_built(targets, image, image_dir, registry, facts, min_free_bytes, log)
     after, reference_node, actions = outcome
-    image_id = _check_same_id(image, after, reference_node)
+    image_id = same_image_id(image, {n: f.image_id for n, f in after.items()}, reference_node)
     report = ImageReport(
         image=image,
         image_id=image_id,

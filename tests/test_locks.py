@@ -1,0 +1,91 @@
+"""Node locks against a real Prefect server (prefect_test_harness)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prefect.settings import PREFECT_HOME, temporary_settings
+from prefect.testing.utilities import prefect_test_harness
+
+from sparkdeploy.errors import NodeLockError
+from sparkdeploy.locks import acquire_nodes, holder_variable, holders, release_nodes
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    home: Path = tmp_path_factory.mktemp("prefect-home")
+    with temporary_settings({PREFECT_HOME: home}), prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def test_second_deployment_waits_then_fails_naming_the_holder(prefect_server: None) -> None:
+    assert acquire_nodes("lab", ["node1", "node2"], "dep-a", timeout_s=5) == ["node1", "node2"]
+    with pytest.raises(NodeLockError) as caught:
+        acquire_nodes("lab", ["node2", "node3"], "dep-b", timeout_s=1.5, poll_s=0.2)
+    message = str(caught.value)
+    assert "node2 is held by deployment dep-a" in message
+    assert "node3 is held" not in message
+    # All or nothing: dep-b's failed attempt left node3 free.
+    assert holders("lab", ["node3"]) == {"node3": None}
+    assert release_nodes("lab", ["node1", "node2"], "dep-a") == ["node1", "node2"]
+
+
+def test_acquire_is_idempotent_and_release_only_frees_own_nodes(prefect_server: None) -> None:
+    assert acquire_nodes("lab", ["node4"], "dep-c", timeout_s=5) == ["node4"]
+    assert acquire_nodes("lab", ["node4"], "dep-c", timeout_s=5) == []
+    assert release_nodes("lab", ["node4"], "dep-other") == []
+    holder = holders("lab", ["node4"])["node4"]
+    assert holder is not None and holder.deployment_id == "dep-c"
+    assert release_nodes("lab", ["node4"], "dep-c") == ["node4"]
+    assert release_nodes("lab", ["node4"], "dep-c") == []
+    assert acquire_nodes("lab", ["node4"], "dep-d", timeout_s=5) == ["node4"]
+    release_nodes("lab", ["node4"], "dep-d")
+
+
+def test_waiting_deployment_gets_the_node_once_released(prefect_server: None) -> None:
+    acquire_nodes("lab", ["node5"], "dep-e", timeout_s=5)
+    taken: list[list[str]] = []
+    waiter = threading.Thread(
+        target=lambda: taken.append(
+            acquire_nodes("lab", ["node5"], "dep-f", timeout_s=30, poll_s=0.2)
+        )
+    )
+    waiter.start()
+    release_nodes("lab", ["node5"], "dep-e")
+    waiter.join(timeout=40)
+    assert taken == [["node5"]]
+    holder = holders("lab", ["node5"])["node5"]
+    assert holder is not None and holder.deployment_id == "dep-f"
+    release_nodes("lab", ["node5"], "dep-f")
+
+
+def test_concurrent_acquirers_never_share_a_node(prefect_server: None) -> None:
+    outcomes: dict[str, object] = {}
+
+    def attempt(deployment: str) -> None:
+        try:
+            outcomes[deployment] = acquire_nodes(
+                "race", ["a", "b"], deployment, timeout_s=2, poll_s=0.2
+            )
+        except NodeLockError as error:
+            outcomes[deployment] = error
+
+    threads = [threading.Thread(target=attempt, args=(f"dep-{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    winners = [dep for dep, outcome in outcomes.items() if isinstance(outcome, list)]
+    assert len(winners) == 1
+    for node, holder in holders("race", ["a", "b"]).items():
+        assert holder is not None and holder.deployment_id == winners[0], node
+    release_nodes("race", ["a", "b"], winners[0])
+
+
+def test_holder_variable_names_are_valid_and_distinct() -> None:
+    names = {holder_variable("Lab", "Node1"), holder_variable("lab", "node1")}
+    assert len(names) == 2
+    assert all(name.replace("-", "").isalnum() and name == name.lower() for name in names)
