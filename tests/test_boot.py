@@ -1,0 +1,210 @@
+"""Boot: RoCE detection from a sysfs tree and preflight judgement (unit); a 3-node mp boot, with
+teardown, on the lab."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lab.cluster import Lab
+from sparkdeploy.boot import _node_problems, boot
+from sparkdeploy.cluster import load_cluster
+from sparkdeploy.docker_remote import plan_targets
+from sparkdeploy.errors import BootError
+from sparkdeploy.node_probe import detect_roce, ipv4_of_gid
+from sparkdeploy.plan import Plan, make_plan
+from sparkdeploy.recipe import Recipe
+from sparkdeploy.ssh import cached_connection
+from sparkdeploy.teardown import teardown
+
+GIB = 1024**3
+
+
+def _port(root: Path, hca: str, state: str, gids: dict[int, tuple[str, str]]) -> None:
+    port = root / hca / "ports" / "1"
+    (port / "gids").mkdir(parents=True)
+    (port / "gid_attrs" / "types").mkdir(parents=True)
+    (port / "state").write_text(f"{state}\n")
+    (port / "link_layer").write_text("Ethernet\n")
+    for index, (gid, kind) in gids.items():
+        (port / "gids" / str(index)).write_text(gid + "\n")
+        (port / "gid_attrs" / "types" / str(index)).write_text(kind + "\n")
+
+
+def test_roce_detection_picks_active_hcas_and_the_v2_ipv4_gid_of_the_fabric_ip(
+    tmp_path: Path,
+) -> None:
+    link_local = "fe80:0000:0000:0000:0ac0:ebff:fe12:3456"
+    fabric = "0000:0000:0000:0000:0000:ffff:0a4d:000b"  # 10.77.0.11
+    other = "0000:0000:0000:0000:0000:ffff:c0a8:0101"  # 192.168.1.1
+    _port(
+        tmp_path,
+        "rocep1s0f1",
+        "4: ACTIVE",
+        {
+            0: (link_local, "IB/RoCE v1"),
+            1: (link_local, "RoCE v2"),
+            2: (fabric, "IB/RoCE v1"),
+            3: (fabric, "RoCE v2"),
+        },
+    )
+    _port(tmp_path, "roceP2p1s0f1", "4: ACTIVE", {3: (other, "RoCE v2")})
+    _port(tmp_path, "rocep1s0f0", "1: DOWN", {3: (other, "RoCE v2")})
+    found = detect_roce(str(tmp_path), "10.77.0.11")
+    assert found["hcas"] == ["roceP2p1s0f1", "rocep1s0f1"]
+    assert found["gid_index"] == 3
+    assert any("rocep1s0f0" in note for note in found["notes"])
+    assert ipv4_of_gid(fabric) == "10.77.0.11" and ipv4_of_gid(link_local) is None
+
+
+def test_roce_detection_without_devices_leaves_everything_unset(tmp_path: Path) -> None:
+    found = detect_roce(str(tmp_path / "absent"), "10.0.0.1")
+    assert found == {
+        "devices": False,
+        "hcas": [],
+        "gid_index": None,
+        "notes": [found["notes"][0]],
+    }
+    assert "no RDMA devices" in found["notes"][0]
+
+
+def _lab_plan(lab: Lab, image: str, env: dict[str, str] | None = None) -> Plan:
+    recipe = Recipe(
+        name="boot test",
+        docker_image=image,
+        model="lab/tiny-chat",
+        required_nodes=3,
+        tensor_parallel_size=3,
+        entrypoint=["vllm", "serve"],
+        args=["--served-model-name", "boot-test", "--max-model-len", "4096"],
+        env={"HF_HUB_OFFLINE": "1", **(env or {})},
+    )
+    plan = make_plan(recipe, load_cluster(lab.inventory_path))
+    # The lab runs inside a sandbox whose hard RLIMIT_MEMLOCK cannot be raised.
+    nodes = [
+        node.model_copy(
+            update={
+                "container": node.container.model_copy(
+                    update={
+                        "ulimits": {
+                            k: v for k, v in node.container.ulimits.items() if k != "memlock"
+                        }
+                    }
+                )
+            }
+        )
+        for node in plan.nodes
+    ]
+    return plan.model_copy(update={"nodes": nodes})
+
+
+def test_preflight_problems_name_the_fix() -> None:
+    recipe = Recipe(name="t", docker_image="img:1", model="org/m", required_nodes=1)
+    inventory = Path(__file__).parent.parent / "clusters" / "dgx-spark-4.toml"
+    node = make_plan(recipe, load_cluster(inventory)).nodes[0]
+    answer: dict[str, Any] = {
+        "docker": {"version": "28"},
+        "image": None,
+        "missing_paths": ["/srv/nas/hf-cache"],
+        "gpus": 0,
+        "page_cache_dropped": False,
+        "page_cache_error": "Permission denied",
+        "mem_available_bytes": 1 * GIB,
+    }
+    problems = _node_problems(node, answer, 8 * GIB, drop_page_cache=True)
+    assert len(problems) == 5
+    text = "\n".join(problems)
+    for expected in ("image img:1", "/srv/nas/hf-cache", "no GPU", "drop_caches", "1.0 GiB"):
+        assert expected in text
+    down = _node_problems(node, {"docker": {"error": "Cannot connect"}}, 0, drop_page_cache=False)
+    assert down == ["docker does not answer (Cannot connect): start dockerd there"]
+
+
+def _inspect(lab: Lab, node: str, container: str) -> dict[str, Any]:
+    result = cached_connection(lab.ssh_target(node)).run(
+        ["docker", "inspect", container], timeout=60
+    )
+    inspected: dict[str, Any] = json.loads(result.stdout)[0]
+    return inspected
+
+
+@pytest.mark.lab
+def test_boot_then_teardown_removes_exactly_ours(lab_cluster: Lab, lab_engine_image: str) -> None:
+    plan = _lab_plan(lab_cluster, lab_engine_image)
+    from sparkdeploy.images import ensure_image
+
+    ensure_image(plan_targets(plan), lab_engine_image)
+    foreign = cached_connection(lab_cluster.ssh_target("node2"))
+    foreign.run(["docker", "rm", "--force", "not-ours"], timeout=60, check=False)
+    foreign.run(
+        [
+            "docker",
+            "run",
+            "-d",
+            "--name",
+            "not-ours",
+            "--label",
+            "owner=someone-else",
+            "--network",
+            "host",
+            "--entrypoint",
+            "sleep",
+            lab_engine_image,
+            "300",
+        ],
+        timeout=60,
+    )
+    try:
+        result = boot(plan, min_memory_bytes=GIB)
+        assert [booted.node for booted in result.nodes] == ["node1", "node2", "node3"]
+        for node_plan in plan.nodes:
+            inspected = _inspect(lab_cluster, node_plan.node, node_plan.container.name)
+            assert inspected["Id"] == result.container_ids[node_plan.node]
+            labels = inspected["Config"]["Labels"]
+            assert labels["sparkdeploy.deployment"] == plan.deployment_id
+            assert labels["sparkdeploy.node"] == node_plan.node
+            assert labels["sparkdeploy.rank"] == str(node_plan.rank)
+            entrypoint = node_plan.container.entrypoint
+            assert inspected["Config"]["Entrypoint"] == entrypoint[:1]
+            assert inspected["Config"]["Cmd"] == [*entrypoint[1:], *node_plan.container.command]
+            env = dict(item.split("=", 1) for item in inspected["Config"]["Env"])
+            assert env["VLLM_HOST_IP"] == node_plan.fabric_ip
+            assert "NCCL_IB_GID_INDEX" not in env  # no RDMA in the lab
+            assert ("--headless" in inspected["Config"]["Cmd"]) == (node_plan.rank > 0)
+
+        # A second boot replaces our containers (stale), keeping their logs.
+        again = boot(plan, min_memory_bytes=GIB)
+        assert {c.node for c in again.stale_removed} == {"node1", "node2", "node3"}
+        assert again.container_ids != result.container_ids
+
+        report = teardown(plan.deployment_id, lab_cluster.ssh_targets(), plan.runs_dir)
+        assert sorted(c.node for c in report.removed) == ["node1", "node2", "node3"]
+        for container in report.removed:
+            saved = Path(container.log_path)
+            assert saved == Path(plan.runs_dir) / plan.deployment_id / f"{container.node}.log"
+            assert saved.read_text().splitlines()[-len(container.excerpt) :] == container.excerpt
+        head_log = Path(plan.runs_dir, plan.deployment_id, "node1.log").read_text()
+        assert head_log.strip(), "the head's log was saved empty"
+        assert Path(plan.runs_dir, plan.deployment_id, "node1.1.log").exists()
+        assert _inspect(lab_cluster, "node2", "not-ours")["State"]["Running"]
+
+        assert teardown(plan.deployment_id, lab_cluster.ssh_targets(), plan.runs_dir).removed == []
+    finally:
+        foreign.run(["docker", "rm", "--force", "not-ours"], timeout=60, check=False)
+        teardown(plan.deployment_id, lab_cluster.ssh_targets(), plan.runs_dir)
+
+
+@pytest.mark.lab
+def test_preflight_refuses_a_missing_image_before_starting_anything(
+    lab_cluster: Lab,
+) -> None:
+    plan = _lab_plan(lab_cluster, "lab/never-pulled:1")
+    with pytest.raises(BootError) as caught:
+        boot(plan, min_memory_bytes=GIB)
+    message = str(caught.value)
+    for node in lab_cluster.nodes:
+        assert f"node {node}: image lab/never-pulled:1 is not there" in message
+    assert teardown(plan.deployment_id, lab_cluster.ssh_targets(), plan.runs_dir).removed == []
