@@ -113,6 +113,8 @@ def _toml_value(value: object) -> str:
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
     raise TypeError(f"no TOML spelling for {value!r}")
 
 
@@ -522,6 +524,8 @@ class Lab:
                 {
                     "gpus": "",
                     "run_options": [],
+                    # No RDMA in the lab, and the sandbox may not raise the memlock hard limit.
+                    "ulimits": {"stack": "67108864"},
                     "registry": layout.registry,
                     "drop_page_cache": False,
                 },

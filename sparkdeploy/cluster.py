@@ -110,9 +110,14 @@ class NodePaths(_Strict):
     composed_root: str = "/var/tmp/sparkdeploy/composed"
 
 
+# What the field runs vLLM with (FACTS.md): RDMA needs unlimited locked memory.
+DEFAULT_ULIMITS = {"memlock": "-1", "stack": "67108864"}
+
+
 class DockerSettings(_Strict):
     gpus: str = "all"
     run_options: list[str] = Field(default_factory=list)
+    ulimits: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ULIMITS))
     registry: str | None = None
     drop_page_cache: bool = False
 

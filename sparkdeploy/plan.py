@@ -36,7 +36,6 @@ __all__ = [
 
 MASTER_PORT = 29501  # vLLM's mp backend: workers reach the head's store here
 RAY_PORT = 6379
-ULIMITS = {"memlock": "-1", "stack": "67108864"}
 LABEL_PREFIX = "sparkdeploy."
 
 
@@ -313,7 +312,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
             ipc_host=True,
             shm_size=recipe.shm_size,
             gpus=cluster.docker.gpus or None,
-            ulimits=dict(ULIMITS),
+            ulimits=dict(cluster.docker.ulimits),
             extra_run_options=list(cluster.docker.run_options),
         )
         local_files = [local.host for local in composed.local_files] if composed else []
