@@ -614,6 +614,7 @@ class _Meter:
         stop = threading.Event()
         round_bytes = sum(size for _, size in targets)
         base = self.done_bytes
+        self._samples.append((time.monotonic(), base))
 
         def sample() -> None:
             on_disk = sum(size for path, size in targets if path.exists())
@@ -701,8 +702,8 @@ def _map_hub_error(exc: BaseException, ref: RepoLike, hub: HubAccess) -> Prefetc
                 )
             if status in _TRANSIENT_STATUS:
                 return TransientPrefetchError(
-                    f"the hub at {hub.endpoint} answered HTTP {status} for {where} after "
-                    "huggingface_hub's own retries: a hub-side failure, retry later"
+                    f"the hub at {hub.endpoint} answered HTTP {status} for {where}: a hub-side "
+                    "failure, retry later"
                 )
             return PrefetchError(f"the hub at {hub.endpoint} answered HTTP {status} for {where}")
         if isinstance(cause, httpx2.TransportError):
