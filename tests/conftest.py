@@ -1,5 +1,8 @@
 """Session fixtures shared by the test modules.
 
+`prefect_harness` is one Prefect test server for the whole session (it takes about 20 s to
+start), its state in a temporary PREFECT_HOME.
+
 `lab_cluster` brings up one lab (3 nodes, named by SPARKDEPLOY_TEST_LAB, default "pytest") for
 the whole session and tears it down at the end, checking that nothing of it remains. Where the
 lab cannot run (not root, no namespaces, packages missing) its tests are skipped with the
@@ -12,6 +15,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +62,17 @@ def lab_engine_image(lab_cluster: Lab) -> str:
     from lab.image import build_engine_image
 
     return build_engine_image(lab_cluster)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    home = tmp_path_factory.mktemp("prefect-home")
+    # Before Prefect reads its settings: results and local storage go under this home, and the
+    # server never tries to send telemetry out of the machine.
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    from prefect.settings import PREFECT_HOME, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with temporary_settings({PREFECT_HOME: home}), prefect_test_harness(server_startup_timeout=120):
+        yield home

@@ -15,7 +15,6 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-from prefect_harness import prefect_harness  # noqa: F401  (the session fixture)
 from readiness_lab import Deployment, cache_tiny_model, lab_plan
 
 from lab.cluster import Lab
