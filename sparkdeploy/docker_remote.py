@@ -15,6 +15,7 @@ from functools import cache
 from typing import Any, Protocol, TypeVar
 
 from sparkdeploy import node_probe
+from sparkdeploy.cluster import Cluster
 from sparkdeploy.errors import ImageError, RemoteError, TransientRemoteError
 from sparkdeploy.node_script import STDERR_TAIL_CHARS, build_node_script, last_json_line
 from sparkdeploy.plan import LABEL_PREFIX, Plan
@@ -85,6 +86,21 @@ class ContainerInfo:
     status: str  # created, running, exited, ...
     exit_code: int
     started_at: str
+
+
+def cluster_targets(cluster: Cluster) -> dict[str, SshTarget]:
+    """SSH targets of every node of a cluster, in inventory order."""
+    return {
+        node.name: SshTarget(
+            host=node.host,
+            port=node.port,
+            user=node.user,
+            identity_file=node.identity_file,
+            known_hosts=cluster.known_hosts,
+            connect_timeout_s=node.connect_timeout_s,
+        )
+        for node in cluster.nodes
+    }
 
 
 def plan_targets(plan: Plan) -> dict[str, SshTarget]:

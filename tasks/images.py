@@ -1,0 +1,59 @@
+"""Prefect task: the recipe's engine image on every node (logic in sparkdeploy.images)."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+from prefect.logging import get_run_logger
+
+from sparkdeploy.cluster import load_cluster
+from sparkdeploy.docker_remote import plan_targets
+from sparkdeploy.images import ImageReport, ensure_image
+from sparkdeploy.plan import Plan
+from sparkdeploy.project import find_cluster, find_image_dir, find_recipe
+from sparkdeploy.recipe import load_recipe
+from sparkdeploy.ssh import close_cached
+from tasks.stage_engram import artifact_key, only_transient_remote
+
+
+@task(
+    name="image",
+    retries=2,
+    retry_delay_seconds=[15, 60],
+    retry_condition_fn=only_transient_remote,
+)
+def ensure_images(plan: Plan) -> ImageReport:
+    """Pulled (or built once and distributed) where missing; one image ID on every node.
+
+    Retried only when the registry was down or slow; an unknown image, refused credentials or
+    a full disk fail at once.
+    """
+    logger = get_run_logger()
+    recipe = load_recipe(find_recipe(plan.recipe))
+    cluster = load_cluster(find_cluster(plan.cluster))
+    image_dir = find_image_dir(recipe.docker_image_dir) if recipe.docker_image_dir else None
+    try:
+        report = ensure_image(
+            plan_targets(plan),
+            recipe.docker_image,
+            image_dir=image_dir,
+            registry=cluster.docker.registry,
+            log=logger.info,
+        )
+    finally:
+        close_cached()
+    create_table_artifact(
+        key=artifact_key("image", plan.deployment_id),
+        table=[
+            {
+                "node": node.node,
+                "action": node.action,
+                "image_id": node.image_id,
+                "layers_moved": node.layers_moved,
+                "seconds": node.seconds,
+            }
+            for node in report.nodes
+        ],
+        description=f"{report.image} on the nodes of {plan.deployment_id}",
+    )
+    return report
