@@ -23,7 +23,6 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import Artifact, Log
 from prefect.logging.handlers import APILogHandler
 from prefect.states import State
-from prefect_harness import prefect_harness  # noqa: F401  (the session fixture)
 
 from lab.hub import HubServer
 from lab.tinymodel import generate_repo
