@@ -15,6 +15,7 @@ from sparkdeploy.docker_remote import (
     NODE_LABEL,
     RANK_LABEL,
     ContainerInfo,
+    cluster_targets,
     list_containers,
     on_nodes,
 )
@@ -23,7 +24,6 @@ from sparkdeploy.gate import probe_endpoint
 from sparkdeploy.plan import LABEL_PREFIX, Plan, make_plan
 from sparkdeploy.project import find_recipe
 from sparkdeploy.recipe import load_recipe
-from sparkdeploy.ssh import SshTarget
 
 RECIPE_LABEL = f"{LABEL_PREFIX}recipe"
 HEALTH_TIMEOUT_S = 3.0
@@ -44,9 +44,13 @@ class DeploymentStatus:
     deployment_id: str
     recipe: str
     containers: list[NodeContainer]  # in rank order
-    endpoint: str | None  # None when the recipe can no longer be planned
+    plan: Plan | None  # None when the recipe can no longer be planned
     healthy: bool
     health: str  # what the endpoint said, or why it was not asked
+
+    @property
+    def endpoint(self) -> str | None:
+        return self.plan.endpoint if self.plan else None
 
     @property
     def nodes(self) -> list[str]:
@@ -70,20 +74,6 @@ class DeploymentStatus:
             }
             for c in self.containers
         ]
-
-
-def cluster_targets(cluster: Cluster) -> dict[str, SshTarget]:
-    return {
-        node.name: SshTarget(
-            host=node.host,
-            port=node.port,
-            user=node.user,
-            identity_file=node.identity_file,
-            known_hosts=cluster.known_hosts,
-            connect_timeout_s=node.connect_timeout_s,
-        )
-        for node in cluster.nodes
-    }
 
 
 def _grouped(found: dict[str, list[ContainerInfo]]) -> dict[str, list[ContainerInfo]]:
@@ -135,8 +125,6 @@ def cluster_status(cluster: Cluster) -> list[DeploymentStatus]:
             continue
         outcome = probe_endpoint(plan.endpoint, plan.served_model_name, timeout=HEALTH_TIMEOUT_S)
         statuses.append(
-            DeploymentStatus(
-                deployment_id, recipe, rows, plan.endpoint, outcome.ready, outcome.detail
-            )
+            DeploymentStatus(deployment_id, recipe, rows, plan, outcome.ready, outcome.detail)
         )
     return statuses

@@ -1,0 +1,20 @@
+"""The `prefetch-all` flow: every deployable recipe's repos into a cluster's NAS cache."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from sparkdeploy.cluster import load_cluster
+from sparkdeploy.prefetch import RepoOutcome
+from sparkdeploy.project import find_cluster
+from tasks.catalog import repos_of_deployable_recipes
+from tasks.prefetch import prefetch_repos
+
+
+@flow(name="prefetch-all", flow_run_name="prefetch-all into {cluster}")
+def prefetch_all(cluster: str = "lab") -> list[RepoOutcome]:
+    """Scheduled nightly: tomorrow's deploys then find their weights complete on the NAS."""
+    inventory = load_cluster(find_cluster(cluster))
+    return prefetch_repos(
+        repos_of_deployable_recipes(), inventory.nas.hf_cache, inventory.hub.endpoint
+    )

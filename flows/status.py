@@ -1,0 +1,13 @@
+"""The `status` flow: what runs on each node of a cluster, its health, since when."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from sparkdeploy.status import DeploymentStatus
+from tasks.status import read_cluster_status
+
+
+@flow(name="status", flow_run_name="status of {cluster}")
+def status(cluster: str = "lab") -> list[DeploymentStatus]:
+    return read_cluster_status(cluster)
