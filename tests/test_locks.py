@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prefect.settings import PREFECT_HOME, temporary_settings
-from prefect.testing.utilities import prefect_test_harness
 
 from sparkdeploy.errors import NodeLockError
 from sparkdeploy.locks import acquire_nodes, holder_variable, holders, release_nodes
 
 
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    home: Path = tmp_path_factory.mktemp("prefect-home")
-    with temporary_settings({PREFECT_HOME: home}), prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-def test_second_deployment_waits_then_fails_naming_the_holder(prefect_server: None) -> None:
+def test_second_deployment_waits_then_fails_naming_the_holder(prefect_harness: Path) -> None:
     assert acquire_nodes("lab", ["node1", "node2"], "dep-a", timeout_s=5) == ["node1", "node2"]
     with pytest.raises(NodeLockError) as caught:
         acquire_nodes("lab", ["node2", "node3"], "dep-b", timeout_s=1.5, poll_s=0.2)
@@ -33,7 +23,7 @@ def test_second_deployment_waits_then_fails_naming_the_holder(prefect_server: No
     assert release_nodes("lab", ["node1", "node2"], "dep-a") == ["node1", "node2"]
 
 
-def test_acquire_is_idempotent_and_release_only_frees_own_nodes(prefect_server: None) -> None:
+def test_acquire_is_idempotent_and_release_only_frees_own_nodes(prefect_harness: Path) -> None:
     assert acquire_nodes("lab", ["node4"], "dep-c", timeout_s=5) == ["node4"]
     assert acquire_nodes("lab", ["node4"], "dep-c", timeout_s=5) == []
     assert release_nodes("lab", ["node4"], "dep-other") == []
@@ -45,7 +35,7 @@ def test_acquire_is_idempotent_and_release_only_frees_own_nodes(prefect_server: 
     release_nodes("lab", ["node4"], "dep-d")
 
 
-def test_waiting_deployment_gets_the_node_once_released(prefect_server: None) -> None:
+def test_waiting_deployment_gets_the_node_once_released(prefect_harness: Path) -> None:
     acquire_nodes("lab", ["node5"], "dep-e", timeout_s=5)
     taken: list[list[str]] = []
     waiter = threading.Thread(
@@ -62,7 +52,7 @@ def test_waiting_deployment_gets_the_node_once_released(prefect_server: None) ->
     release_nodes("lab", ["node5"], "dep-f")
 
 
-def test_concurrent_acquirers_never_share_a_node(prefect_server: None) -> None:
+def test_concurrent_acquirers_never_share_a_node(prefect_harness: Path) -> None:
     outcomes: dict[str, object] = {}
 
     def attempt(deployment: str) -> None:
