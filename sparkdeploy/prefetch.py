@@ -1,7 +1,10 @@
 """Prefetch of hub repos into the NAS HF cache: fetched and verified once, recognised instantly.
 
-huggingface_hub's `snapshot_download` moves the bytes and writes the standard cache layout
-(`models--org--name/{blobs,refs,snapshots}`). Around it this module adds what a shared NAS cache
+huggingface_hub answers what a revision is: its commit sha and its files with size, git oid and
+LFS sha256. The bytes are moved by sparkdeploy.blobfetch (http.client threads, resumable partial
+files, hashed while written) into the cache layout huggingface_hub itself writes and reads
+offline: `models--org--name/blobs/<sha256 or git oid>`, `snapshots/<sha>/<path>` as relative
+symlinks to the blobs, `refs/<branch>`. Around that this module adds what a shared NAS cache
 needs: a free-space check before anything is fetched, a per-repo lock so two flows never download
 the same repo at once, a sha256 (LFS) or git-oid (small files) check of every file once, and a
 manifest per commit, `models--org--name/.sparkdeploy/<sha>.json`, that records each file's size
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import fcntl
 import hashlib
 import json
@@ -27,10 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
+from urllib.parse import quote
 
 import httpx2
-from huggingface_hub import HfApi, snapshot_download
-from huggingface_hub import constants as hf_constants
+from huggingface_hub import HfApi
+from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -38,11 +43,8 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.file_download import repo_folder_name
-from huggingface_hub.hf_api import RepoFile
-from huggingface_hub.utils import set_client_factory
-from huggingface_hub.utils._http import hf_request_event_hook
-from huggingface_hub.utils.tqdm import tqdm as hf_tqdm
 
+from sparkdeploy import blobfetch
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
 
 PUBLIC_HUB = "https://huggingface.co"
@@ -50,14 +52,13 @@ TOKEN_SECRET_BLOCK = "hf-token"
 MANIFEST_DIRNAME = ".sparkdeploy"
 MANIFEST_VERSION = 1
 LOCK_FILENAME = "prefetch.lock"
-DOWNLOAD_CHUNK_BYTES = 1 << 20
+PARTIAL_SUFFIX = ".incomplete"
 
 _COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
-_HASH_CHUNK = 8 << 20
-# A `*.incomplete` file untouched this long belongs to a download that died (huggingface_hub names
-# them per process, so no later run resumes them); we hold the repo lock, so it is safe to remove.
+# A partial file that is not one of this revision's blobs (another revision's, or one a
+# huggingface_hub client named per process) and untouched this long belongs to a download that
+# died; we hold the repo lock, so it is safe to remove.
 _ABANDONED_PARTIAL_AGE_S = 600.0
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 Verification = Literal["sha256", "git-sha1"]
 
@@ -85,9 +86,12 @@ class HubAccess:
     endpoint: str = field(default_factory=lambda: os.environ.get("HF_ENDPOINT") or PUBLIC_HUB)
     token: str | None = field(default=None, repr=False)
     max_workers: int = 8
-    # Applied to every hub request huggingface_hub would otherwise send without any timeout
-    # (the tree listing, for one); for a download it bounds each read, not the whole file.
+    # Bounds the revision lookup, and each connect and read of a download (not the whole file).
     request_timeout_s: float = 60.0
+    # Tries per file for a transient failure (reset, timeout, cut, 5xx), each resuming where
+    # the last one stopped, the waits doubling from retry_backoff_s.
+    download_attempts: int = 5
+    retry_backoff_s: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,17 @@ class _HubFile:
     def expected_digest(self) -> str:
         return self.lfs_sha256 if self.lfs_sha256 is not None else self.blob_id
 
+    @property
+    def blob_name(self) -> str:
+        """Its name under blobs/, as huggingface_hub names it: the ETag the hub serves it with."""
+        return self.expected_digest
+
+    def new_digest(self) -> Any:
+        """A hashlib object that, fed the file's bytes, gives expected_digest if they are right."""
+        if self.lfs_sha256 is not None:
+            return hashlib.sha256()
+        return blobfetch.new_digest("sha1", _git_blob_header(self.size))()
+
 
 @dataclass
 class _Pending:
@@ -203,13 +218,15 @@ def prefetch(
             f"NAS HF cache dir {cache_dir} does not exist on this host: mount the NAS there or fix "
             "[nas].hf_cache in the cluster inventory"
         )
-    _configure_huggingface_hub(hub.request_timeout_s)
     api = HfApi(endpoint=hub.endpoint, token=_token_argument(hub))
 
     outcomes: dict[tuple[str, str | None], RepoOutcome] = {}
     pending: list[_Pending] = []
     for ref in _unique(repos):
-        sha = _resolve_sha(api, ref, hub)
+        if ref.revision is not None and _COMMIT_SHA.fullmatch(ref.revision):
+            sha, files = ref.revision, None  # a pinned commit: the manifest may answer alone
+        else:
+            sha, files = _revision_files(api, ref, hub)
         complete = _complete_outcome(cache_dir, ref, sha)
         if complete is not None:
             _write_ref(cache_dir, ref, sha)
@@ -219,7 +236,8 @@ def prefetch(
                 f"({len(complete.files)} files, {human_bytes(complete.total_bytes)})"
             )
             continue
-        files = _list_files(api, ref, sha, hub)
+        if files is None:
+            _, files = _revision_files(api, ref, hub)
         pending.append(_Pending(ref, sha, files, _missing_bytes(cache_dir, ref.repo, sha, files)))
 
     check_free_space(cache_dir, {p.ref.repo: p.missing_bytes for p in pending})
@@ -255,32 +273,25 @@ def _token_argument(hub: HubAccess) -> str | bool:
     return hub.token if hub.token else False
 
 
-def _resolve_sha(api: HfApi, ref: RepoLike, hub: HubAccess) -> str:
-    if ref.revision is not None and _COMMIT_SHA.fullmatch(ref.revision):
-        return ref.revision
+def _revision_files(api: HfApi, ref: RepoLike, hub: HubAccess) -> tuple[str, list[_HubFile]]:
+    """The revision's commit sha and its files, from one hub call (so the two agree)."""
     with _hub_errors(ref, hub):
-        info = api.model_info(ref.repo, revision=ref.revision, timeout=hub.request_timeout_s)
+        info = api.model_info(
+            ref.repo, revision=ref.revision, files_metadata=True, timeout=hub.request_timeout_s
+        )
+    not_a_hub = (
+        f"the hub at {hub.endpoint} returned no commit sha or no file sizes and oids for "
+        f"{ref.repo}@{ref.revision or 'main'}: is HF_ENDPOINT a Hugging Face hub?"
+    )
     if not info.sha:
-        raise PrefetchError(
-            f"the hub at {hub.endpoint} returned no commit sha for {ref.repo}@{ref.revision}: "
-            "is HF_ENDPOINT a Hugging Face hub?"
-        )
-    return info.sha
-
-
-def _list_files(api: HfApi, ref: RepoLike, sha: str, hub: HubAccess) -> list[_HubFile]:
-    with _hub_errors(ref, hub):
-        entries = list(api.list_repo_tree(ref.repo, revision=sha, recursive=True))
-    return [
-        _HubFile(
-            path=e.path,
-            size=e.size,
-            blob_id=e.blob_id,
-            lfs_sha256=e.lfs.sha256 if e.lfs is not None else None,
-        )
-        for e in entries
-        if isinstance(e, RepoFile)
-    ]
+        raise PrefetchError(not_a_hub)
+    files: list[_HubFile] = []
+    for sibling in info.siblings or []:
+        if sibling.size is None or sibling.blob_id is None:
+            raise PrefetchError(not_a_hub)
+        lfs_sha256 = sibling.lfs.sha256 if sibling.lfs is not None else None
+        files.append(_HubFile(sibling.rfilename, sibling.size, sibling.blob_id, lfs_sha256))
+    return info.sha, files
 
 
 def _complete_outcome(cache_dir: Path, ref: RepoLike, sha: str) -> RepoOutcome | None:
@@ -352,7 +363,7 @@ def _complete_repo(
             observer.on_message(f"{ref.repo}@{sha[:12]}: completed by another prefetch meanwhile")
             _write_ref(cache_dir, ref, sha)
             return done_meanwhile
-        _remove_abandoned_partials(storage / "blobs")
+        _remove_abandoned_partials(storage / "blobs", keep={f.blob_name for f in item.files})
         verified = {
             path: entry
             for path, entry in (_read_manifest(cache_dir, ref.repo, sha) or {}).items()
@@ -371,9 +382,8 @@ def _complete_repo(
                 f"{ref.repo}@{sha[:12]}: fetching {len(to_fetch)} of {len(item.files)} files, "
                 f"{human_bytes(round_bytes)}"
             )
-            targets = [(snapshot / f.path, f.size) for f in to_fetch]
-            with meter.watching(ref.repo, storage / "blobs", targets):
-                _download(cache_dir, ref, sha, hub)
+            with meter.watching(ref.repo, round_bytes):
+                _fetch_files(storage, ref, sha, to_fetch, hub, meter, observer, verified)
             fetched.update(f.path for f in to_fetch)
             to_fetch = _check_files(snapshot, to_fetch, verified, observer, ref.repo)
         if to_fetch:
@@ -384,6 +394,7 @@ def _complete_repo(
             )
         meter.retarget(-reserved)
         _write_manifest(cache_dir, ref.repo, sha, [verified[f.path] for f in item.files])
+        _write_tree_cache(storage, sha, item.files)
         _write_ref(cache_dir, ref, sha)
     files = tuple(
         FileOutcome(f.path, f.size, f.verification, fetched=f.path in fetched) for f in item.files
@@ -444,41 +455,26 @@ def _check_files(
 
 def _verified_entry(pointer: Path, f: _HubFile) -> dict[str, Any] | None:
     """The manifest entry of `pointer` if its content matches the hub's digest, else None."""
+    digest = f.new_digest()
+    blobfetch.hash_file(digest, pointer)
+    return _manifest_entry(pointer, f) if digest.hexdigest() == f.expected_digest else None
+
+
+def _manifest_entry(pointer: Path, f: _HubFile) -> dict[str, Any]:
+    """What the manifest remembers of a verified file: the identity it has now."""
     st = pointer.stat()
-    if f.lfs_sha256 is not None:
-        digest = file_digest(pointer, "sha256")
-    else:
-        digest = file_digest(pointer, "sha1", prefix=b"blob %d\0" % st.st_size)
-    if digest != f.expected_digest:
-        return None
     return {
         "path": f.path,
         "size": f.size,
         "verified": f.verification,
-        "digest": digest,
+        "digest": f.expected_digest,
         "ino": st.st_ino,
         "mtime_ns": st.st_mtime_ns,
     }
 
 
-def file_digest(path: Path, algorithm: str, *, prefix: bytes = b"") -> str:
-    """Hex digest of `prefix` + the file, streamed, leaving none of the file in page cache.
-
-    The NAS copy is read once here; on unified-memory nodes cached pages are memory the model
-    needs, so each chunk is dropped from the cache right after hashing.
-    """
-    digest = hashlib.new(algorithm)
-    digest.update(prefix)
-    buffer = bytearray(_HASH_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as fh:
-        fd = fh.fileno()
-        offset = 0
-        while n := fh.readinto(buffer):
-            digest.update(view[:n])
-            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
-            offset += n
-    return digest.hexdigest()
+def _git_blob_header(size: int) -> bytes:
+    return b"blob %d\0" % size
 
 
 def _remove_file(pointer: Path) -> None:
@@ -488,43 +484,163 @@ def _remove_file(pointer: Path) -> None:
     pointer.unlink(missing_ok=True)
 
 
-def _remove_abandoned_partials(blobs: Path) -> None:
+def _remove_abandoned_partials(blobs: Path, keep: set[str]) -> None:
+    """Remove old partial files except this revision's own, which the download resumes."""
     if not blobs.is_dir():
         return
     now = time.time()
-    for partial in blobs.glob("*.incomplete"):
+    for partial in blobs.glob(f"*{PARTIAL_SUFFIX}"):
+        if partial.name.removesuffix(PARTIAL_SUFFIX) in keep:
+            continue
         with contextlib.suppress(FileNotFoundError):
             if now - partial.stat().st_mtime > _ABANDONED_PARTIAL_AGE_S:
                 partial.unlink()
 
 
-class _NoProgressBar(hf_tqdm):
-    """huggingface_hub's bars, always off: progress is reported by _Meter instead."""
+def _fetch_files(
+    storage: Path,
+    ref: RepoLike,
+    sha: str,
+    files: Sequence[_HubFile],
+    hub: HubAccess,
+    meter: _Meter,
+    observer: PrefetchObserver,
+    verified: dict[str, dict[str, Any]],
+) -> None:
+    """Download `files` over hub.max_workers connections into blobs/ and the snapshot.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["disable"] = True
-        super().__init__(*args, **kwargs)
+    What arrives with the right digest is added to `verified`; a file that arrives corrupt, or
+    whose blob was already present, is left for _check_files to judge.
+    """
+    queue = collections.deque(sorted(files, key=lambda f: f.size, reverse=True))
+    stop = threading.Event()
+
+    def worker() -> None:
+        with blobfetch.Connections(
+            timeout_s=hub.request_timeout_s,
+            token=hub.token,
+            token_origin=blobfetch.origin_of(hub.endpoint),
+        ) as connections:
+            while not stop.is_set():
+                try:
+                    f = queue.popleft()
+                except IndexError:
+                    return
+                try:
+                    entry = _fetch_file(connections, storage, ref, sha, f, hub, meter, observer)
+                except BaseException:
+                    stop.set()  # the others finish the file they are on, and take no other
+                    raise
+                if entry is not None:
+                    verified[f.path] = entry
+
+    workers = max(1, min(hub.max_workers, len(files)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prefetch-fetch") as pool:
+        # Each worker runs in a copy of this context, so its log lines keep the Prefect run's.
+        futures = [pool.submit(contextvars.copy_context().run, worker) for _ in range(workers)]
+    errors = [exc for exc in (future.exception() for future in futures) if exc is not None]
+    if errors:
+        # An error no retry can fix outranks a transient one: the operator must act on it.
+        raise min(errors, key=lambda exc: isinstance(exc, TransientPrefetchError))
 
 
-def _download(cache_dir: Path, ref: RepoLike, sha: str, hub: HubAccess) -> None:
-    # No allow_patterns: files already in the snapshot cost snapshot_download one stat each, and
-    # fnmatch patterns would misread file names with brackets.
-    with _hub_errors(ref, hub):
-        snapshot_download(
-            ref.repo,
-            revision=sha,
-            cache_dir=cache_dir,
-            endpoint=hub.endpoint,
-            token=_token_argument(hub),
-            max_workers=hub.max_workers,
-            tqdm_class=_NoProgressBar,
+def _fetch_file(
+    connections: blobfetch.Connections,
+    storage: Path,
+    ref: RepoLike,
+    sha: str,
+    f: _HubFile,
+    hub: HubAccess,
+    meter: _Meter,
+    observer: PrefetchObserver,
+) -> dict[str, Any] | None:
+    """Put `f` into blobs/ and link it from the snapshot; its manifest entry if verified here."""
+    blob = storage / "blobs" / f.blob_name
+    pointer = storage / "snapshots" / sha / f.path
+    with contextlib.suppress(FileNotFoundError):
+        if blob.stat().st_size == f.size:
+            _link(pointer, blob)  # another revision's blob, or a link lost: _check_files hashes it
+            return None
+        blob.unlink()
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    partial = blob.with_name(blob.name + PARTIAL_SUFFIX)
+    url = f"{hub.endpoint.rstrip('/')}/{ref.repo}/resolve/{sha}/{quote(f.path)}"
+    where = f"{ref.repo}@{sha[:12]}: {f.path}"
+    with contextlib.suppress(FileNotFoundError):
+        if (resumed := partial.stat().st_size) and resumed < f.size:
+            observer.on_message(f"{where}: resuming from byte {resumed} of {f.size}")
+
+    def on_retry(reason: str, offset: int, delay_s: float) -> None:
+        observer.on_message(f"{where}: {reason}; retrying from byte {offset} in {delay_s:.0f} s")
+
+    try:
+        digest = blobfetch.fetch(
+            connections,
+            url,
+            partial,
+            size=f.size,
+            new_digest=f.new_digest,
+            attempts=hub.download_attempts,
+            backoff_s=hub.retry_backoff_s,
+            on_bytes=meter.add,
+            on_retry=on_retry,
         )
+    except blobfetch.HttpStatusError as exc:
+        raise _status_error(exc.status, ref, hub, missing_file_url=exc.url) from exc
+    except blobfetch.TransferError as exc:
+        raise TransientPrefetchError(
+            f"{where}: {exc}; the {partial.stat().st_size} bytes received are kept in {partial} "
+            "and the next try resumes from there"
+        ) from exc
+    except blobfetch.ProtocolError as exc:
+        raise PrefetchError(f"{where}: {exc}: the hub is inconsistent; retry later") from exc
+    except OSError as exc:
+        raise PrefetchError(
+            f"{where}: cannot write {partial} ({exc}): check the NAS mount and its free space"
+        ) from exc
+    if digest != f.expected_digest:
+        observer.on_message(
+            f"{where} arrived with {f.verification} {digest}, the hub's list says "
+            f"{f.expected_digest}: fetching it again"
+        )
+        partial.unlink()
+        return None
+    os.replace(partial, blob)
+    _link(pointer, blob)
+    return _manifest_entry(pointer, f)
+
+
+def _link(pointer: Path, blob: Path) -> None:
+    """Point the snapshot entry at the blob with a relative symlink, as huggingface_hub does."""
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pointer.with_name(f".{pointer.name}.{os.getpid()}.{threading.get_ident()}.link")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(os.path.relpath(blob, pointer.parent))
+    os.replace(tmp, pointer)
 
 
 def _write_manifest(cache_dir: Path, repo: str, sha: str, entries: list[dict[str, Any]]) -> None:
     path = manifest_path(cache_dir, repo, sha)
     payload = {"version": MANIFEST_VERSION, "repo": repo, "sha": sha, "files": entries}
     _atomic_write(path, json.dumps(payload, indent=1, sort_keys=True))
+
+
+def _write_tree_cache(storage: Path, sha: str, files: Sequence[_HubFile]) -> None:
+    """Record the commit's file list where huggingface_hub keeps it (`trees/<sha>.json`).
+
+    Its offline snapshot_download checks a snapshot against that list, and an online one skips
+    the tree listing; this is what its own snapshot_download would have left.
+    """
+    entries = {
+        f.path: TreeCacheEntry(
+            size=f.size,
+            blob_id=f.blob_id,
+            lfs_sha256=f.lfs_sha256,
+            lfs_size=f.size if f.lfs_sha256 is not None else None,
+        )
+        for f in files
+    }
+    write_tree_cache(str(storage), sha, entries)
 
 
 def _write_ref(cache_dir: Path, ref: RepoLike, sha: str) -> None:
@@ -590,11 +706,10 @@ def repo_lock(
 
 
 class _Meter:
-    """Bytes done of the whole prefetch call, sampled from disk while snapshot_download runs.
+    """Bytes done of the whole prefetch call, reported every interval while a round downloads.
 
-    Reading sizes on disk (finished snapshot entries plus `blobs/*.incomplete`) rather than
-    hooking huggingface_hub's progress bars keeps the numbers right across its internal retries
-    and resumes, and independent of its private progress plumbing.
+    The download threads only add to a counter; one reporting thread calls the observer, so an
+    observer never runs concurrently with itself.
     """
 
     _RATE_WINDOW_S = 10.0
@@ -605,25 +720,30 @@ class _Meter:
         self._observer = observer
         self._interval_s = interval_s
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
+        self._round_bytes = 0
+        self._round_lock = threading.Lock()
 
     def retarget(self, delta: int) -> None:
         self.total_bytes += delta
 
+    def add(self, count: int) -> None:
+        """Bytes of the current round now on disk: written, or found in a resumed partial."""
+        with self._round_lock:
+            self._round_bytes += count
+
     @contextlib.contextmanager
-    def watching(self, repo: str, blobs: Path, targets: list[tuple[Path, int]]) -> Iterator[None]:
+    def watching(self, repo: str, round_bytes: int) -> Iterator[None]:
         stop = threading.Event()
-        round_bytes = sum(size for _, size in targets)
         base = self.done_bytes
         self._samples.append((time.monotonic(), base))
+        with self._round_lock:
+            self._round_bytes = 0
 
         def sample() -> None:
-            on_disk = sum(size for path, size in targets if path.exists())
-            with contextlib.suppress(FileNotFoundError):
-                for partial in os.scandir(blobs):
-                    if partial.name.endswith(".incomplete"):
-                        with contextlib.suppress(FileNotFoundError):
-                            on_disk += partial.stat().st_size
-            self._report(repo, base + min(on_disk, round_bytes))
+            with self._round_lock:
+                written = self._round_bytes
+            # A restarted file counts its bytes twice; the round never reports more than its size.
+            self._report(repo, base + min(written, round_bytes))
 
         def run() -> None:
             while not stop.wait(self._interval_s):
@@ -665,6 +785,37 @@ def _hub_errors(ref: RepoLike, hub: HubAccess) -> Iterator[None]:
 
 
 def _map_hub_error(exc: BaseException, ref: RepoLike, hub: HubAccess) -> PrefetchError | None:
+    """The PrefetchError for a failed huggingface_hub call, or None if it is not a hub failure."""
+    for cause in _cause_chain(exc):
+        if isinstance(cause, HfHubHTTPError) and cause.response is not None:
+            return _status_error(
+                cause.response.status_code,
+                ref,
+                hub,
+                gated=isinstance(cause, GatedRepoError),
+                revision_not_found=isinstance(cause, RevisionNotFoundError),
+                missing_file_url=(
+                    str(cause.response.url) if isinstance(cause, RemoteEntryNotFoundError) else None
+                ),
+            )
+        if isinstance(cause, httpx2.TransportError):
+            return TransientPrefetchError(
+                f"cannot reach the hub at {hub.endpoint} for {ref.repo}@{ref.revision or 'main'} "
+                f"({type(cause).__name__}: {cause}): check the network and HF_ENDPOINT"
+            )
+    return None
+
+
+def _status_error(
+    status: int,
+    ref: RepoLike,
+    hub: HubAccess,
+    *,
+    gated: bool = False,
+    revision_not_found: bool = False,
+    missing_file_url: str | None = None,
+) -> PrefetchError:
+    """The error for an HTTP status from the hub; missing_file_url: a listed file's URL."""
     where = f"{ref.repo}@{ref.revision or 'main'}"
     token_hint = (
         f"the token in use has no access: accept the repo's terms on the hub with the account the "
@@ -673,45 +824,34 @@ def _map_hub_error(exc: BaseException, ref: RepoLike, hub: HubAccess) -> Prefetc
         else f"no token is set: store one in the Prefect Secret block '{TOKEN_SECRET_BLOCK}' "
         "or export HF_TOKEN"
     )
-    for cause in _cause_chain(exc):
-        if isinstance(cause, HfHubHTTPError) and cause.response is not None:
-            status = cause.response.status_code
-            if isinstance(cause, GatedRepoError) or status == 403:
-                return PrefetchError(
-                    f"{where} is gated on {hub.endpoint} (HTTP {status}): {token_hint}"
-                )
-            if status == 401:
-                return PrefetchError(
-                    f"the hub at {hub.endpoint} refused {where} (HTTP 401: the repo is private, "
-                    f"gated or misspelled): check the name in the recipe; {token_hint}"
-                )
-            if isinstance(cause, RevisionNotFoundError):
-                return PrefetchError(
-                    f"{ref.repo} has no revision {ref.revision!r} on {hub.endpoint} (HTTP 404): "
-                    "fix the revision pinned in the recipe"
-                )
-            if isinstance(cause, RemoteEntryNotFoundError):
-                return PrefetchError(
-                    f"{where}: {cause.response.url} is in the repo's file list but the hub at "
-                    f"{hub.endpoint} answers HTTP 404 for it: the hub is inconsistent; retry later"
-                )
-            if status == 404:
-                return PrefetchError(
-                    f"{where} not found on {hub.endpoint} (HTTP 404): check the repo name "
-                    "and revision in the recipe"
-                )
-            if status in _TRANSIENT_STATUS:
-                return TransientPrefetchError(
-                    f"the hub at {hub.endpoint} answered HTTP {status} for {where}: a hub-side "
-                    "failure, retry later"
-                )
-            return PrefetchError(f"the hub at {hub.endpoint} answered HTTP {status} for {where}")
-        if isinstance(cause, httpx2.TransportError):
-            return TransientPrefetchError(
-                f"cannot reach the hub at {hub.endpoint} for {where} "
-                f"({type(cause).__name__}: {cause}): check the network and HF_ENDPOINT"
-            )
-    return None
+    if gated or status == 403:
+        return PrefetchError(f"{where} is gated on {hub.endpoint} (HTTP {status}): {token_hint}")
+    if status == 401:
+        return PrefetchError(
+            f"the hub at {hub.endpoint} refused {where} (HTTP 401: the repo is private, "
+            f"gated or misspelled): check the name in the recipe; {token_hint}"
+        )
+    if status == 404 and revision_not_found:
+        return PrefetchError(
+            f"{ref.repo} has no revision {ref.revision!r} on {hub.endpoint} (HTTP 404): "
+            "fix the revision pinned in the recipe"
+        )
+    if status == 404 and missing_file_url is not None:
+        return PrefetchError(
+            f"{where}: {missing_file_url} is in the repo's file list but the hub at "
+            f"{hub.endpoint} answers HTTP 404 for it: the hub is inconsistent; retry later"
+        )
+    if status == 404:
+        return PrefetchError(
+            f"{where} not found on {hub.endpoint} (HTTP 404): check the repo name "
+            "and revision in the recipe"
+        )
+    if status in blobfetch.TRANSIENT_STATUS:
+        return TransientPrefetchError(
+            f"the hub at {hub.endpoint} answered HTTP {status} for {where}: a hub-side "
+            "failure, retry later"
+        )
+    return PrefetchError(f"the hub at {hub.endpoint} answered HTTP {status} for {where}")
 
 
 def _cause_chain(exc: BaseException) -> Iterator[BaseException]:
@@ -721,48 +861,3 @@ def _cause_chain(exc: BaseException) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         current = current.__cause__ or current.__context__
-
-
-class _DefaultTimeoutTransport(httpx2.HTTPTransport):
-    """Gives every request without a timeout one: huggingface_hub sends some with none at all."""
-
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__()
-        self._timeout_s = timeout_s
-
-    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
-        limits = dict(request.extensions.get("timeout") or {})
-        for phase in ("connect", "read", "write", "pool"):
-            if limits.get(phase) is None:
-                limits[phase] = self._timeout_s
-        request.extensions["timeout"] = limits
-        return super().handle_request(request)
-
-
-_configured_timeout_s: float | None = None
-_configure_lock = threading.Lock()
-
-
-def _configure_huggingface_hub(timeout_s: float) -> None:
-    """Process-wide settings of huggingface_hub this module depends on.
-
-    - Its shared HTTP client gets _DefaultTimeoutTransport, so no request goes without a timeout.
-    - Its write chunk drops from 10 MiB to DOWNLOAD_CHUNK_BYTES: http_get resumes a cut download
-      from the last whole chunk it wrote, so the chunk bounds what a cut costs twice; and its
-      10 MiB chunking measured 2-3x slower than 1 MiB on loopback (bench/prefetch.py).
-    """
-    global _configured_timeout_s
-    with _configure_lock:
-        hf_constants.DOWNLOAD_CHUNK_SIZE = DOWNLOAD_CHUNK_BYTES
-        if _configured_timeout_s == timeout_s:
-            return
-
-        def factory() -> httpx2.Client:
-            return httpx2.Client(
-                event_hooks={"request": [hf_request_event_hook]},
-                follow_redirects=True,
-                transport=_DefaultTimeoutTransport(timeout_s),
-            )
-
-        set_client_factory(factory)
-        _configured_timeout_s = timeout_s

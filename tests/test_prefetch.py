@@ -7,18 +7,24 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx2
+import huggingface_hub
 import pytest
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
-from lab.hub import HubServer
+from lab.engine.standin_model import load_model
+from lab.hub import HubServer, RequestRecord
 from lab.tinymodel import generate_repo
+from sparkdeploy import blobfetch
 from sparkdeploy import prefetch as pf
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
 
@@ -79,12 +85,19 @@ def verify_and_record(cache: Path, files: list[pf._HubFile]) -> list[pf._HubFile
     return to_fetch
 
 
-def test_file_digest_matches_hashlib_with_and_without_prefix(tmp_path: Path) -> None:
-    data = os.urandom((pf._HASH_CHUNK * 2) + 12345)
+def test_hub_file_digests_match_sha256_and_the_git_blob_oid(tmp_path: Path) -> None:
+    data = os.urandom((blobfetch.HASH_CHUNK_BYTES * 2) + 12345)
     path = tmp_path / "f"
     path.write_bytes(data)
-    assert pf.file_digest(path, "sha256") == hashlib.sha256(data).hexdigest()
-    assert pf.file_digest(path, "sha1", prefix=b"blob %d\0" % len(data)) == git_blob_oid(data)
+    lfs = pf._HubFile("f", len(data), git_blob_oid(data), hashlib.sha256(data).hexdigest())
+    small = pf._HubFile("f", len(data), git_blob_oid(data), None)
+    for f in (lfs, small):
+        digest = f.new_digest()
+        blobfetch.hash_file(digest, path)
+        assert digest.hexdigest() == f.expected_digest == f.blob_name
+    prefix = hashlib.sha256()
+    blobfetch.hash_file(prefix, path, 1000)
+    assert prefix.hexdigest() == hashlib.sha256(data[:1000]).hexdigest()
 
 
 def test_verified_files_get_a_manifest_that_recognises_the_repo(
@@ -292,7 +305,7 @@ def fetch(
     [outcome] = pf.prefetch(
         [pf.RepoSpec(repo, revision)],
         nas,
-        pf.HubAccess(hub.url, token=token, max_workers=4),
+        pf.HubAccess(hub.url, token=token, max_workers=4, retry_backoff_s=0.01),
         **options,
     )
     return outcome
@@ -379,12 +392,15 @@ def test_503_burst_during_the_download_is_retried_inside(hub: HubServer, nas: Pa
     assert [r.status for r in hub.requests()].count(503) == 2
 
 
-def test_cut_mid_file_resumes_with_only_the_missing_part(repos_dir: Path, nas: Path) -> None:
-    # huggingface_hub writes (and so resumes from) whole chunks: the bytes of the partial chunk
-    # in flight at the cut are fetched again, nothing before them.
-    chunk = pf.DOWNLOAD_CHUNK_BYTES
-    generate_repo(repos_dir, "lab-org/big", num_shards=1, total_bytes=12 * chunk, dense_holes=True)
-    cut = 7 * chunk + chunk // 2
+def resolve_gets(hub: HubServer) -> list[RequestRecord]:
+    return [r for r in hub.requests() if r.method == "GET" and "/resolve/" in r.path]
+
+
+def test_cut_mid_file_is_resumed_inside_the_call_from_the_exact_byte(
+    repos_dir: Path, nas: Path
+) -> None:
+    generate_repo(repos_dir, "lab-org/big", num_shards=1, total_bytes=12 << 20, dense_holes=True)
+    cut = (7 << 20) + 12345
     big = [pf.RepoSpec("lab-org/big")]
     with HubServer(repos_dir) as hub:
         [first] = pf.prefetch(big, nas, pf.HubAccess(hub.url))
@@ -392,13 +408,163 @@ def test_cut_mid_file_resumes_with_only_the_missing_part(repos_dir: Path, nas: P
         pf._remove_file(Path(first.snapshot_dir) / shard.path)
         hub.reset_stats()
         hub.cut_next_file(after_bytes=cut)
-        [outcome] = pf.prefetch(big, nas, pf.HubAccess(hub.url))
-        shard_gets = [r for r in hub.requests() if r.method == "GET" and "/resolve/" in r.path]
+        observer = RecordingObserver()
+        [outcome] = pf.prefetch(
+            big, nas, pf.HubAccess(hub.url, retry_backoff_s=0.01), observer=observer
+        )
+        shard_gets = resolve_gets(hub)
     assert [(r.range, r.bytes_sent) for r in shard_gets] == [
         (None, cut),
-        (f"bytes={7 * chunk}-", shard.size - 7 * chunk),
+        (f"bytes={cut}-", shard.size - cut),
     ]
+    assert any(f"retrying from byte {cut}" in m for m in observer.messages)
     assert snapshot_matches_hub(outcome, repos_dir)
+
+
+def test_a_failed_prefetch_keeps_its_partial_and_the_next_one_fetches_only_the_rest(
+    repos_dir: Path, nas: Path
+) -> None:
+    generate_repo(repos_dir, "lab-org/big", num_shards=2, total_bytes=8 << 20)
+    cut = (3 << 20) + 4321
+    big = [pf.RepoSpec("lab-org/big")]
+    with HubServer(repos_dir) as hub:
+        hub.cut_next_file(after_bytes=cut)
+        # One connection takes the largest file first, so the cut lands in it; one attempt.
+        no_retries = pf.HubAccess(hub.url, max_workers=1, download_attempts=1)
+        with pytest.raises(TransientPrefetchError, match="next try resumes") as raised:
+            pf.prefetch(big, nas, no_retries)
+        assert hub.bytes_served == cut
+        partials = list((pf.storage_dir(nas, "lab-org/big") / "blobs").glob("*.incomplete"))
+        assert [p.stat().st_size for p in partials] == [cut]
+        assert str(partials[0]) in str(raised.value)
+
+        hub.reset_stats()
+        observer = RecordingObserver()
+        [outcome] = pf.prefetch(big, nas, pf.HubAccess(hub.url), observer=observer)
+        gets = resolve_gets(hub)
+    assert hub.bytes_served == outcome.total_bytes - cut
+    assert [r.range for r in gets if r.range is not None] == [f"bytes={cut}-"]
+    assert any(f"resuming from byte {cut}" in m for m in observer.messages)
+    assert snapshot_matches_hub(outcome, repos_dir)
+    assert not list((pf.storage_dir(nas, "lab-org/big") / "blobs").glob("*.incomplete"))
+
+
+def test_a_killed_prefetch_process_is_resumed_from_its_partial(repos_dir: Path, nas: Path) -> None:
+    generate_repo(repos_dir, "lab-org/big", num_shards=1, total_bytes=8 << 20)
+    blobs = pf.storage_dir(nas, "lab-org/big") / "blobs"
+    with HubServer(repos_dir) as hub:
+        hub.slow(2 << 20)
+        script = (
+            "import sys; from pathlib import Path; from sparkdeploy import prefetch as pf; "
+            "pf.prefetch([pf.RepoSpec('lab-org/big')], Path(sys.argv[1]), "
+            "pf.HubAccess(sys.argv[2], max_workers=1))"
+        )
+        child = subprocess.Popen(
+            [sys.executable, "-c", script, str(nas), hub.url],
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while sum(p.stat().st_size for p in blobs.glob("*.incomplete")) < 1 << 20:
+                assert child.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+        finally:
+            child.kill()
+            child.wait(timeout=10)
+        [partial] = blobs.glob("*.incomplete")
+        kept = partial.stat().st_size
+        hub.slow(None)
+        hub.reset_stats()
+        [outcome] = pf.prefetch([pf.RepoSpec("lab-org/big")], nas, pf.HubAccess(hub.url))
+        gets = resolve_gets(hub)
+    assert [r.range for r in gets if r.range is not None] == [f"bytes={kept}-"]
+    # Counted per request: the killed run's response may still be draining into a dead socket.
+    assert sum(r.bytes_sent for r in gets) == outcome.total_bytes - kept
+    assert snapshot_matches_hub(outcome, repos_dir)
+
+
+class Redirector:
+    """An endpoint that answers every request with a redirect to the same path on `target`,
+    recording what it was sent (the way the hub sends LFS downloads to its CDN)."""
+
+    def __init__(self, target: str, status: int = 302) -> None:
+        self.received: list[tuple[str, bool]] = []
+        redirector = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                redirector.received.append((self.path, "Authorization" in self.headers))
+                self.send_response(status)
+                self.send_header("Location", target + self.path)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def __enter__(self) -> Redirector:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+
+def test_redirects_are_followed_and_the_token_never_leaves_the_hub_host(
+    repos_dir: Path, nas: Path
+) -> None:
+    with HubServer(repos_dir, host="127.0.0.2") as cdn, Redirector(cdn.url, 307) as front:
+        [outcome] = pf.prefetch(
+            [pf.RepoSpec(TINY)], nas, pf.HubAccess(front.url, token="hf_lab_token")
+        )
+        cdn_gets = resolve_gets(cdn)
+    assert snapshot_matches_hub(outcome, repos_dir)
+    front_gets = [authorized for path, authorized in front.received if "/resolve/" in path]
+    assert len(front_gets) == len(outcome.files) and all(front_gets)
+    assert len(cdn_gets) == len(outcome.files)
+    assert not any(r.authorized for r in cdn_gets)
+
+
+def test_the_cache_resolves_offline_exactly_as_huggingface_hub_writes_it(
+    hub: HubServer, nas: Path, repos_dir: Path, tmp_path: Path
+) -> None:
+    outcome = fetch(hub, nas)
+    written_by_hf = tmp_path / "hf"
+    huggingface_hub.snapshot_download(TINY, cache_dir=written_by_hf, endpoint=hub.url, token=False)
+    hub.stop()
+
+    def layout(cache: Path) -> dict[str, str]:
+        storage = pf.storage_dir(cache, TINY)
+        """Every blob, ref and snapshot link: link target or content digest, by path."""
+        return {
+            str(p.relative_to(storage)): (
+                os.readlink(p) if p.is_symlink() else hashlib.sha256(p.read_bytes()).hexdigest()
+            )
+            for p in storage.rglob("*")
+            if pf.MANIFEST_DIRNAME not in p.parts and (p.is_symlink() or p.is_file())
+        }
+
+    assert layout(nas) == layout(written_by_hf)
+    snapshot = huggingface_hub.snapshot_download(TINY, cache_dir=nas, local_files_only=True)
+    assert Path(snapshot) == Path(outcome.snapshot_dir)
+    for f in outcome.files:
+        path = huggingface_hub.hf_hub_download(TINY, f.path, cache_dir=nas, local_files_only=True)
+        assert Path(path).read_bytes() == (repos_dir / TINY / f.path).read_bytes()
+    loaded = load_model(TINY, None, {"HF_HUB_CACHE": str(nas), "HF_HUB_OFFLINE": "1"})
+    assert loaded.snapshot == Path(outcome.snapshot_dir) and loaded.shards
 
 
 def test_unknown_repo_and_revision_are_clear_errors(hub: HubServer, nas: Path) -> None:
