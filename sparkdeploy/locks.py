@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+from uuid import UUID
 
 import httpx
 from prefect.client.orchestration import SyncPrefectClient, get_client
@@ -131,6 +132,31 @@ def _describe_blockers(client: SyncPrefectClient, cluster: str, nodes: Sequence[
     return "; ".join(described) or "the nodes were released while this deploy was giving up"
 
 
+def _run_is_live(client: SyncPrefectClient, flow_run_id: str | None) -> bool:
+    """Whether the flow run that recorded itself as a holder is still running."""
+    if flow_run_id is None:
+        return False
+    try:
+        run = client.read_flow_run(UUID(flow_run_id))
+    except ObjectNotFound:
+        return False
+    return run.state is not None and not run.state.is_final()
+
+
+def _ours_to_keep(
+    client: SyncPrefectClient,
+    holder: NodeHolder | None,
+    deployment_id: str,
+    flow_run_id: str | None,
+) -> bool:
+    """A node this deployment holds and may go on holding from this flow run: taken by this run,
+    or by an earlier run of the same deployment that has ended (a redeploy). Another run of the
+    same deployment that is still going (a concurrent deploy) must be waited for."""
+    if holder is None or holder.deployment_id != deployment_id:
+        return False
+    return holder.flow_run_id == flow_run_id or not _run_is_live(client, holder.flow_run_id)
+
+
 def acquire_nodes(
     cluster: str,
     nodes: Sequence[str],
@@ -142,49 +168,70 @@ def acquire_nodes(
 ) -> list[str]:
     """Hold every node for `deployment_id`, waiting up to timeout_s for another to let go.
 
-    Idempotent: nodes this deployment already holds are kept. Returns the nodes newly taken.
-    Raises NodeLockError naming the holding deployment(s) when the wait runs out.
+    Idempotent for one deployment: nodes it already holds are kept (and recorded as held by
+    this flow run), unless another flow run of it is still going. Returns the nodes newly
+    taken. Raises NodeLockError naming the holders when the wait runs out.
     """
     deadline = time.monotonic() + timeout_s
     waited_for: str | None = None
+    flow_run_id = _current_flow_run_id()
     with get_client(sync_client=True) as client:
         for node in nodes:
             _ensure_limit(client, limit_name(cluster, node))
         while True:
-            wanted = [
+            current = {node: _read_holder(client, cluster, node) for node in nodes}
+            kept = [
                 node
-                for node in nodes
-                if (held := _read_holder(client, cluster, node)) is None
-                or held.deployment_id != deployment_id
+                for node, holder in current.items()
+                if _ours_to_keep(client, holder, deployment_id, flow_run_id)
             ]
-            if not wanted:
-                return []
-            try:
-                client.increment_concurrency_slots(
-                    names=[limit_name(cluster, node) for node in wanted],
-                    slots=1,
-                    mode="concurrency",
-                )
-            except httpx.HTTPStatusError as error:
-                if error.response.status_code != _HTTP_LOCKED:
-                    raise
-                blockers = _describe_blockers(client, cluster, wanted)
+            wanted = [node for node in nodes if node not in kept]
+            blocked = [
+                node
+                for node in wanted
+                if (holder := current[node]) is not None and holder.deployment_id == deployment_id
+            ]
+            if wanted and not blocked:
+                try:
+                    client.increment_concurrency_slots(
+                        names=[limit_name(cluster, node) for node in wanted],
+                        slots=1,
+                        mode="concurrency",
+                    )
+                except httpx.HTTPStatusError as error:
+                    if error.response.status_code != _HTTP_LOCKED:
+                        raise
+                    blocked = wanted
+            if blocked:
+                blockers = _describe_blockers(client, cluster, blocked)
                 if time.monotonic() >= deadline:
                     raise NodeLockError(
                         f"deployment {deployment_id} could not take nodes {', '.join(wanted)} of"
-                        f" cluster {cluster} within {timeout_s:.0f} s: {blockers}. Tear that"
-                        " deployment down (the teardown flow) or choose other nodes"
-                    ) from error
+                        f" cluster {cluster} within {timeout_s:.0f} s: {blockers}. Wait for that"
+                        " flow run, tear that deployment down (the teardown flow) or choose"
+                        " other nodes"
+                    )
                 if blockers != waited_for:
                     log(f"waiting for nodes of cluster {cluster}: {blockers}")
                     waited_for = blockers
                 time.sleep(poll_s)
                 continue
             since = datetime.now(UTC).isoformat(timespec="seconds")
-            flow_run_id = _current_flow_run_id()
-            for node in wanted:
-                _write_holder(client, cluster, NodeHolder(node, deployment_id, since, flow_run_id))
-            log(f"deployment {deployment_id} holds {', '.join(wanted)} of cluster {cluster}")
+            for node in nodes:
+                holder = current[node]
+                if node in wanted or (holder is not None and holder.flow_run_id != flow_run_id):
+                    _write_holder(
+                        client,
+                        cluster,
+                        NodeHolder(
+                            node,
+                            deployment_id,
+                            since if node in wanted or holder is None else holder.since,
+                            flow_run_id,
+                        ),
+                    )
+            if wanted:
+                log(f"deployment {deployment_id} holds {', '.join(wanted)} of cluster {cluster}")
             return wanted
 
 

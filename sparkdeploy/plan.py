@@ -148,6 +148,10 @@ class Plan(_Data):
     nas_hf_cache: str
     runs_dir: str
     hub_endpoint: str | None  # None: HF_ENDPOINT, else the public hub
+    docker_image: str
+    docker_image_dir: str | None  # built from images/<dir> when set, else pulled
+    registry: str | None  # where built images travel from the builder to the other nodes
+    drop_page_cache: bool
     blocked: str | None
     nodes: list[NodePlan]
 
@@ -376,6 +380,10 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
         nas_hf_cache=cluster.nas.hf_cache,
         runs_dir=cluster.nas.runs_dir,
         hub_endpoint=cluster.hub.endpoint,
+        docker_image=recipe.docker_image,
+        docker_image_dir=recipe.docker_image_dir,
+        registry=cluster.docker.registry,
+        drop_page_cache=cluster.docker.drop_page_cache,
         blocked=recipe.blocked_reason,
         nodes=node_plans,
     )

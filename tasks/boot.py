@@ -7,11 +7,9 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from sparkdeploy.boot import DEFAULT_MIN_MEMORY_BYTES, BootResult, boot
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.docker_remote import plan_targets
 from sparkdeploy.locks import DEFAULT_TIMEOUT_S, acquire_nodes, release_nodes
 from sparkdeploy.plan import Plan
-from sparkdeploy.project import find_cluster
 from sparkdeploy.ssh import close_cached
 from sparkdeploy.teardown import teardown
 
@@ -25,23 +23,23 @@ def boot_deployment(
 ) -> BootResult:
     """Hold the plan's nodes (waiting up to lock_timeout_s for another deployment to let go),
     then boot. The locks stay held until the teardown task; a failed boot leaves nothing: its
-    containers are removed and the nodes it newly took are released."""
+    containers are removed and its nodes released."""
     logger = get_run_logger()
     nodes = [node.node for node in plan.nodes]
-    cluster = load_cluster(find_cluster(plan.cluster))
-    taken = acquire_nodes(
+    acquire_nodes(
         plan.cluster, nodes, plan.deployment_id, timeout_s=lock_timeout_s, log=logger.info
     )
     try:
         result = boot(
             plan,
-            drop_page_cache=cluster.docker.drop_page_cache,
+            drop_page_cache=plan.drop_page_cache,
             min_memory_bytes=min_memory_bytes,
             log=logger.info,
         )
     except BaseException:
         teardown(plan.deployment_id, plan_targets(plan), plan.runs_dir, log=logger.info)
-        release_nodes(plan.cluster, taken, plan.deployment_id, log=logger.info)
+        # Nothing of the deployment is left on the nodes, so none of them stays held by it.
+        release_nodes(plan.cluster, nodes, plan.deployment_id, log=logger.info)
         raise
     finally:
         close_cached()

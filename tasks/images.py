@@ -6,12 +6,10 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.docker_remote import plan_targets
 from sparkdeploy.images import ImageReport, ensure_image
 from sparkdeploy.plan import Plan
-from sparkdeploy.project import find_cluster, find_image_dir, find_recipe
-from sparkdeploy.recipe import load_recipe
+from sparkdeploy.project import find_image_dir
 from sparkdeploy.ssh import close_cached
 from tasks.stage_engram import artifact_key, only_transient_remote
 
@@ -29,15 +27,13 @@ def ensure_images(plan: Plan) -> ImageReport:
     a full disk fail at once.
     """
     logger = get_run_logger()
-    recipe = load_recipe(find_recipe(plan.recipe))
-    cluster = load_cluster(find_cluster(plan.cluster))
-    image_dir = find_image_dir(recipe.docker_image_dir) if recipe.docker_image_dir else None
+    image_dir = find_image_dir(plan.docker_image_dir) if plan.docker_image_dir else None
     try:
         report = ensure_image(
             plan_targets(plan),
-            recipe.docker_image,
+            plan.docker_image,
             image_dir=image_dir,
-            registry=cluster.docker.registry,
+            registry=plan.registry,
             log=logger.info,
         )
     finally:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from uuid import UUID
 
 import pytest
+from prefect import get_client
+from prefect.states import Completed, Running, State
 
+from sparkdeploy import locks
 from sparkdeploy.errors import NodeLockError
 from sparkdeploy.locks import acquire_nodes, holder_variable, holders, release_nodes
 
@@ -79,3 +83,37 @@ def test_holder_variable_names_are_valid_and_distinct() -> None:
     names = {holder_variable("Lab", "Node1"), holder_variable("lab", "node1")}
     assert len(names) == 2
     assert all(name.replace("-", "").isalnum() and name == name.lower() for name in names)
+
+
+def _flow_run(state: State[None]) -> str:
+    from prefect import flow
+
+    @flow(name="lock-holder")
+    def holder_flow() -> None:
+        return None
+
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(holder_flow, state=state)
+    return str(run.id)
+
+
+def test_a_live_run_of_the_same_deployment_is_waited_for_an_ended_one_taken_over(
+    prefect_harness: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second, third = _flow_run(Running()), _flow_run(Running()), _flow_run(Running())
+    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: first)
+    assert acquire_nodes("same", ["n1"], "dep-same", timeout_s=5) == ["n1"]
+
+    # A concurrent deploy of the same recipe on the same nodes: the same deployment id.
+    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: second)
+    with pytest.raises(NodeLockError, match=f"n1 is held by deployment dep-same .*{first}"):
+        acquire_nodes("same", ["n1"], "dep-same", timeout_s=1, poll_s=0.2)
+
+    # Once the first run has ended (the deployment stays up), a redeploy takes the nodes over.
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(UUID(first), Completed(), force=True)
+    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: third)
+    assert acquire_nodes("same", ["n1"], "dep-same", timeout_s=5) == []
+    holder = holders("same", ["n1"])["n1"]
+    assert holder is not None and holder.flow_run_id == third
+    assert release_nodes("same", ["n1"], "dep-same") == ["n1"]
