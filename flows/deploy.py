@@ -40,10 +40,12 @@ def deploy(
     skip: list[Step] | None = None,
     allow_blocked: bool = False,
     keep_on_failure: bool = False,
+    lock_timeout_s: float = 600.0,
 ) -> DeploySummary:
     """Deploy `recipe` on `cluster` (its first required_nodes nodes unless `nodes` names them).
 
-    A failure after the boot tears the deployment down unless keep_on_failure is set.
+    A failure after the boot tears the deployment down unless keep_on_failure is set. A node
+    held by another deployment is waited for up to lock_timeout_s.
     """
     skipped = set(skip or ())
     clock = StepClock()
@@ -75,7 +77,7 @@ def deploy(
             for future in futures:
                 future.result()
         with clock.step("boot"):
-            boot_deployment(plan)
+            boot_deployment(plan, lock_timeout_s=lock_timeout_s)
         try:
             with clock.step("readiness"):
                 gate = readiness_gate(plan)

@@ -7,8 +7,9 @@ from prefect.logging import get_run_logger
 
 from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import InventoryError, RecipeBlocked
-from sparkdeploy.plan import Plan
-from sparkdeploy.project import find_cluster, load_plan
+from sparkdeploy.plan import Plan, make_plan
+from sparkdeploy.project import find_cluster, find_recipe
+from sparkdeploy.recipe import load_recipe
 
 
 @task(name="plan")
@@ -19,18 +20,21 @@ def plan_deployment(
 
     No retries: every failure here is in a file (or a blocked recipe) and needs a person.
     """
-    missing = load_cluster(find_cluster(cluster)).missing_files()
+    recipe_spec = load_recipe(find_recipe(recipe))
+    reason = recipe_spec.blocked_reason
+    if reason is not None and not allow_blocked:
+        raise RecipeBlocked(
+            f"recipe {recipe_spec.recipe_id} is blocked: {reason}\n"
+            "Fix what the reason says, or deploy anyway with allow_blocked=true "
+            "(`-p allow_blocked=true`)."
+        )
+    cluster_spec = load_cluster(find_cluster(cluster))
+    missing = cluster_spec.missing_files()
     if missing:
         raise InventoryError("\n".join(missing))
-    plan = load_plan(recipe, cluster, nodes)
-    if plan.blocked is not None:
-        if not allow_blocked:
-            raise RecipeBlocked(
-                f"recipe {plan.recipe} is blocked: {plan.blocked}\n"
-                "Fix what the reason says, or deploy anyway with allow_blocked=true "
-                "(`-p allow_blocked=true`)."
-            )
-        get_run_logger().warning("deploying blocked recipe %s: %s", plan.recipe, plan.blocked)
+    plan = make_plan(recipe_spec, cluster_spec, nodes)
+    if reason is not None:
+        get_run_logger().warning("deploying blocked recipe %s: %s", plan.recipe, reason)
     get_run_logger().info(
         "deployment %s: recipe %s on %s (%s), endpoint %s",
         plan.deployment_id,
