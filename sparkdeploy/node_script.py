@@ -4,18 +4,59 @@ A node has python3 and nothing else of ours. The script installs each shipped mo
 real name in sys.modules (so `from sparkdeploy.engram import ...` works unchanged there) and then
 calls the main module's `main(sys.argv[1:])`, whose last stdout line is its JSON answer. The
 modules' own files are the only copy of their code: the script embeds their text as on disk.
+
+A script goes to the node on stdin (sparkdeploy.ssh.Connection.run_python) or, for a command
+whose output is read as it comes (Connection.stream_lines, which has no stdin), inside its argv
+(python_argv).
 """
 
 from __future__ import annotations
 
+import base64
 import inspect
 import json
+import shlex
+import zlib
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 # How much of a failed script's stderr an error message quotes.
 STDERR_TAIL_CHARS = 2000
+
+
+class RunResult(Protocol):
+    @property
+    def exit_code(self) -> int: ...
+    @property
+    def stdout(self) -> bytes: ...
+    @property
+    def stderr(self) -> bytes: ...
+
+
+class PythonRunner(Protocol):
+    """What a node script run through stdin needs: sparkdeploy.ssh.Connection has this method."""
+
+    def run_python(
+        self,
+        source: str,
+        args: Sequence[str],
+        *,
+        timeout: float,
+        stdin: bytes | None = None,
+        check: bool = True,
+    ) -> RunResult: ...
+
+
+# sshd hands the command to the user's shell as one argument, which Linux bounds at 128 KiB
+# (MAX_ARG_STRLEN, including its final NUL).
+MAX_COMMAND_BYTES = 128 * 1024 - 1
+# Runs the program in argv[1] (zlib-compressed, base64) as __main__ with argv[2:] as its args.
+_ARGV_BOOTSTRAP = (
+    "import base64, sys, zlib; source = zlib.decompress(base64.b64decode(sys.argv[1])); "
+    "sys.argv = ['-c', *sys.argv[2:]]; "
+    "exec(compile(source, '<sparkdeploy>', 'exec'), {'__name__': '__main__'})"
+)
 
 _INSTALLER = """\
 import sys
@@ -49,6 +90,22 @@ def build_node_script(main: ModuleType, libraries: Sequence[ModuleType] = ()) ->
         lines.append(f"_install({module.__name__!r}, {inspect.getsource(module)!r})")
     lines.append(f"sys.exit(sys.modules[{main.__name__!r}].main(sys.argv[1:]))")
     return "\n".join(lines) + "\n"
+
+
+def python_argv(source: str, args: Sequence[str]) -> list[str]:
+    """argv that runs `source` with the node's python3 (standard library only: -I -S) and args.
+
+    ValueError if the command would not fit in one shell argument on the node.
+    """
+    payload = base64.b64encode(zlib.compress(source.encode(), 9)).decode("ascii")
+    argv = ["python3", "-I", "-S", "-c", _ARGV_BOOTSTRAP, payload, *args]
+    length = len(shlex.join(argv).encode())
+    if length > MAX_COMMAND_BYTES:
+        raise ValueError(
+            f"a node command of {length} bytes exceeds the {MAX_COMMAND_BYTES} bytes a shell "
+            "argument may hold; ship less source or pass the large arguments on stdin"
+        )
+    return argv
 
 
 def last_json_line(stdout: bytes) -> dict[str, Any] | None:

@@ -1,19 +1,29 @@
-"""The Engram sparse copy, as it runs ON a node (standard library + two shipped modules).
+"""The Engram sparse copies of one node, as they run ON the node (standard library + two
+shipped modules).
 
 sparkdeploy.staging ships this module with sparkdeploy.engram and sparkdeploy.node_hfcache (see
-sparkdeploy.node_script) and calls `main(["inspect" | "stage", request_json])`. It prints JSON
-progress lines on stderr and one JSON result line on stdout; a deliberate failure exits
-FAILED_EXIT with {"ok": false, "kind": ..., "message": ...}.
+sparkdeploy.node_script) and calls `main([request_json])` once per node for all its shards. It
+prints JSON lines on stdout as it goes: {"plan": ...} once every shard is checked, {"progress":
+...} while a copy runs, {"result": ...} per shard, and {"ok": true} last; a deliberate failure
+ends with {"ok": false, "kind": ..., "message": ..., "dest": ...} and exit status FAILED_EXIT.
 
-The copy: a file of the shard's full size holding the header and this node's ranks' row ranges at
-their original offsets, holes elsewhere. It is written to DEST.partial in fixed-size chunks (a
-reader, a writer and a verifier thread, each with its own buffers, so memory stays bounded),
-fdatasync'ed a few chunks at a time and dropped from the page cache on both sides, without
-readahead (unified memory: cached copy pages compete with the GPU for the same RAM). A journal
-records how far the durable part reaches, so an interrupted copy resumes there. Every range's
-sha256 from the source is compared with the sha256 read back from the destination disk, the
-file's data extents are checked against the ranges, and only then is DEST.partial renamed to
-DEST and DEST.manifest.json written.
+Every shard is checked before anything is copied (source, header, geometry, free space for all
+the copies together). The copy: a file of the shard's full size holding the header and this
+node's ranks' row ranges at their original offsets, holes elsewhere, written to DEST.partial in
+fixed-size chunks by three threads passing a few reused buffers around (memory stays bounded):
+
+- the reader prefetches the next chunk (WILLNEED; readahead would cache bytes past the ranges'
+  ends), reads the chunk and drops it from the page cache;
+- the writer writes it, reads it back through the file and compares it with the source bytes,
+  and starts its writeback (DONTNEED on dirty pages); every sync_bytes it makes the written
+  part durable (fdatasync), drops it from the page cache (clean pages only go; unified memory:
+  cached copy pages compete with the GPU for the same RAM) and records in a journal how far the
+  durable part reaches, so an interrupted copy resumes there (a resumed run reads the durable
+  part back from the disk and compares it too);
+- the hasher computes each range's sha256 for the manifest, off the reader's path.
+
+Then the file's data extents are checked against the ranges (holes where holes belong), and
+only then is DEST.partial renamed to DEST and DEST.manifest.json written.
 """
 
 from __future__ import annotations
@@ -46,11 +56,14 @@ from sparkdeploy.node_hfcache import SnapshotNotFound, resolve_snapshot
 FORMAT_VERSION = 1
 MIB = 1024 * 1024
 DEFAULT_CHUNK_BYTES = 16 * MIB
-# Read buffers in flight between the reader and the writer; the verifier has one more.
-READ_BUFFERS = 3
-# Written chunks are made durable (fdatasync, then dropped from the cache and journaled) in
-# groups of this many: one fdatasync per chunk would leave the disk one request deep.
-SYNC_EVERY_CHUNKS = 4
+# Chunk buffers passed from the reader to the writer to the hasher and back; the writer has one
+# more for reading back.
+CHUNK_BUFFERS = 5
+# Written bytes between two fdatasyncs (each a journal entry). Writeback of every chunk starts
+# as soon as it is written, so a sync mostly waits for the last chunk; syncing often would leave
+# the disk idle while the writer waits, syncing rarely would keep more dirty pages and lose more
+# work to an interruption.
+DEFAULT_SYNC_BYTES = 128 * MIB
 FAILED_EXIT = 3
 PROGRESS_INTERVAL_S = 1.0
 QUEUE_POLL_S = 0.2
@@ -60,6 +73,7 @@ MANIFEST_SUFFIX = ".manifest.json"
 
 T = TypeVar("T")
 Progress = Callable[[int, int], None]
+Emit = Callable[[dict[str, Any]], None]
 
 
 class StagingFailure(Exception):
@@ -68,6 +82,8 @@ class StagingFailure(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+        # The copy it is about (None: all of them, e.g. free space), for the host's message.
+        self.dest: str | None = None
 
 
 class _Aborted(Exception):
@@ -84,21 +100,25 @@ class Request:
     ranks: tuple[int, ...]
     tp_size: int
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    sync_bytes: int = DEFAULT_SYNC_BYTES
     # Fault injection for tests: fail as if killed after writing this many chunks in this run.
     stop_after_chunks: int | None = None
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Request:
+    def from_json(cls, node: dict[str, Any], shard: dict[str, Any]) -> Request:
+        """One shard of a node request: {"nas_hf_cache", "chunk_bytes", "sync_bytes",
+        "stop_after_chunks", "shards": [shard, ...]}."""
         return cls(
-            nas_hf_cache=data["nas_hf_cache"],
-            repo=data["repo"],
-            revision=data.get("revision"),
-            filename=data["filename"],
-            dest=data["dest"],
-            ranks=tuple(sorted(data["ranks"])),
-            tp_size=data["tp_size"],
-            chunk_bytes=data.get("chunk_bytes", DEFAULT_CHUNK_BYTES),
-            stop_after_chunks=data.get("stop_after_chunks"),
+            nas_hf_cache=node["nas_hf_cache"],
+            repo=shard["repo"],
+            revision=shard.get("revision"),
+            filename=shard["filename"],
+            dest=shard["dest"],
+            ranks=tuple(sorted(shard["ranks"])),
+            tp_size=shard["tp_size"],
+            chunk_bytes=node.get("chunk_bytes", DEFAULT_CHUNK_BYTES),
+            sync_bytes=node.get("sync_bytes", DEFAULT_SYNC_BYTES),
+            stop_after_chunks=node.get("stop_after_chunks"),
         )
 
 
@@ -256,46 +276,77 @@ def resume_point(plan: CopyPlan) -> int:
     return int(journal["copied_through"])
 
 
-def check_space(plan: CopyPlan, resume_from: int) -> None:
-    directory = os.path.dirname(plan.request.dest)
-    probe = directory
-    while not os.path.isdir(probe):
-        probe = os.path.dirname(probe)
-    fs = os.statvfs(probe)
-    free = fs.f_bavail * fs.f_frsize
-    # Each range may straddle one extra block at either end.
-    needed = plan.copy_bytes - resume_from + 2 * len(plan.ranges) * fs.f_frsize
-    if needed > free:
-        raise StagingFailure(
-            "no_space",
-            f"{probe} has {free / 1e9:.2f} GB free but the sparse copy of "
-            f"{plan.request.filename} for ranks {list(plan.request.ranks)} needs "
-            f"{needed / 1e9:.2f} GB more; free space there or point engram_root at a bigger disk",
-        )
+def check_space(pending: Sequence[tuple[CopyPlan, int]]) -> None:
+    """Room for every copy still to make (plan, bytes already durable), per filesystem."""
+    needed_by_fs: dict[int, tuple[str, int, list[str]]] = {}
+    for plan, resume_from in pending:
+        probe = os.path.dirname(plan.request.dest)
+        while not os.path.isdir(probe):
+            probe = os.path.dirname(probe)
+        fs = os.statvfs(probe)
+        # Each range may straddle one extra block at either end.
+        needed = plan.copy_bytes - resume_from + 2 * len(plan.ranges) * fs.f_frsize
+        device = os.stat(probe).st_dev
+        _, total, files = needed_by_fs.get(device, (probe, 0, []))
+        files.append(f"{plan.request.filename} (ranks {list(plan.request.ranks)})")
+        needed_by_fs[device] = (probe, total + needed, files)
+    for probe, needed, files in needed_by_fs.values():
+        fs = os.statvfs(probe)
+        free = fs.f_bavail * fs.f_frsize
+        if needed > free:
+            raise StagingFailure(
+                "no_space",
+                f"{probe} has {free / 1e9:.2f} GB free but the sparse copy of "
+                f"{' and '.join(files)} there needs {needed / 1e9:.2f} GB more; free space "
+                "there or point engram_root at a bigger disk",
+            )
 
 
-def inspect(request: Request) -> dict[str, Any]:
-    """The "skipped" result if a verified copy is there, else how many bytes remain to copy."""
+def stage_all(requests: Sequence[Request], emit: Emit) -> None:
+    """Check every shard, then make (or find, or finish) each verified copy, emitting results."""
     started = time.monotonic()
-    plan = plan_copy(request)
-    manifest = find_reusable(plan)
-    if manifest is not None:
-        return {"skipped": _result(plan, "skipped", manifest, copied=0, started=started)}
-    resume_from = resume_point(plan)
-    check_space(plan, resume_from)
-    return {"remaining_bytes": plan.copy_bytes - resume_from}
+    # (plan, the manifest of a reusable copy, bytes already durable in DEST.partial)
+    checked: list[tuple[CopyPlan, dict[str, Any] | None, int]] = []
+    for request in requests:
+        with _about(request.dest):
+            plan = plan_copy(request)
+            manifest = find_reusable(plan)
+            checked.append((plan, manifest, 0 if manifest else resume_point(plan)))
+    pending = [(plan, resumed) for plan, manifest, resumed in checked if manifest is None]
+    check_space(pending)
+    emit({"plan": {"remaining_bytes": sum(plan.copy_bytes - done for plan, done in pending)}})
+    for plan, manifest, resumed in checked:
+        if manifest is not None:
+            result = _result(plan, "skipped", manifest, copied=0, started=started)
+        else:
+
+            def progress(done: int, total: int, dest: str = plan.request.dest) -> None:
+                emit({"progress": {"dest": dest, "done": done, "total": total}})
+
+            with _about(plan.request.dest):
+                result = stage(plan, resumed, progress)
+        emit({"result": result})
+        started = time.monotonic()
 
 
-def stage(request: Request, progress: Progress) -> dict[str, Any]:
+@contextlib.contextmanager
+def _about(dest: str) -> Iterator[None]:
+    """Failures inside name the copy they are about; an OSError becomes an "io" failure."""
+    try:
+        yield
+    except StagingFailure as failure:
+        failure.dest = dest
+        raise
+    except OSError as exc:
+        io_failure = StagingFailure("io", f"{exc.filename or dest}: {exc.strerror or exc}")
+        io_failure.dest = dest
+        raise io_failure from exc
+
+
+def stage(plan: CopyPlan, resume_from: int, progress: Progress) -> dict[str, Any]:
     started = time.monotonic()
-    plan = plan_copy(request)
-    manifest = find_reusable(plan)
-    if manifest is not None:
-        return _result(plan, "skipped", manifest, copied=0, started=started)
-    dest = request.dest
+    dest = plan.request.dest
     partial = dest + PARTIAL_SUFFIX
-    resume_from = resume_point(plan)
-    check_space(plan, resume_from)
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     if resume_from == 0:
         _remove(dest + JOURNAL_SUFFIX)
@@ -304,26 +355,17 @@ def stage(request: Request, progress: Progress) -> dict[str, Any]:
     dst_fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         os.ftruncate(dst_fd, plan.size)
-        # Every read is a whole chunk: readahead would only cache bytes past the ranges' ends
-        # that no DONTNEED of a copied chunk covers.
+        # No readahead: it would cache bytes past the ranges' ends that no DONTNEED of a copied
+        # chunk covers; the reader asks for the next chunk itself (WILLNEED).
         os.posix_fadvise(src_fd, 0, 0, os.POSIX_FADV_RANDOM)
         os.posix_fadvise(dst_fd, 0, 0, os.POSIX_FADV_RANDOM)
-        source_sums, dest_sums, copied = _copy_and_verify(
-            plan, src_fd, dst_fd, resume_from, progress
-        )
-        for (begin, end), source_sum, dest_sum in zip(
-            plan.ranges, source_sums, dest_sums, strict=True
-        ):
-            if source_sum != dest_sum:
-                _remove(dest + JOURNAL_SUFFIX)
-                raise StagingFailure(
-                    "verify_failed",
-                    f"{partial}: bytes [{begin}, {end}) read back with sha256 {dest_sum}, the "
-                    f"source {plan.source} has {source_sum}; the local disk is failing or the "
-                    "source changed during the copy; the next run starts the copy afresh",
-                )
+        range_sums, copied = _copy_and_verify(plan, src_fd, dst_fd, resume_from, progress)
         holes_checked = _check_extents(dst_fd, plan, partial)
         os.fsync(dst_fd)
+    except StagingFailure as failure:
+        if failure.kind == "verify_failed":
+            _remove(dest + JOURNAL_SUFFIX)
+        raise
     finally:
         os.close(src_fd)
         os.close(dst_fd)
@@ -331,7 +373,7 @@ def stage(request: Request, progress: Progress) -> dict[str, Any]:
     stat = os.stat(dest)
     manifest = {
         **plan.key,
-        "range_sha256": source_sums,
+        "range_sha256": range_sums,
         "header_bytes": plan.header_bytes,
         "rows": plan.rows,
         "holes_checked": holes_checked,
@@ -386,19 +428,19 @@ def iter_chunks(
 
 def _copy_and_verify(
     plan: CopyPlan, src_fd: int, dst_fd: int, resume_from: int, progress: Progress
-) -> tuple[list[str], list[str], int]:
-    """Copy the chunks past resume_from; hash every range from the source and from DEST's disk.
+) -> tuple[list[str], int]:
+    """Copy the chunks past resume_from; compare every chunk of DEST with the source's bytes.
 
-    Returns (source sha256 per range, read-back sha256 per range, bytes written this run).
+    Returns (the source's sha256 per range, bytes written this run).
     """
     request = plan.request
-    source_hashes = [hashlib.sha256() for _ in plan.ranges]
-    dest_hashes = [hashlib.sha256() for _ in plan.ranges]
+    partial = request.dest + PARTIAL_SUFFIX
+    range_hashes = [hashlib.sha256() for _ in plan.ranges]
     free_buffers: queue.Queue[bytearray] = queue.Queue()
-    for _ in range(READ_BUFFERS):
+    for _ in range(CHUNK_BUFFERS):
         free_buffers.put(bytearray(request.chunk_bytes))
     to_write: queue.Queue[tuple[Chunk, bytearray] | None] = queue.Queue()
-    to_verify: queue.Queue[Chunk | None] = queue.Queue()
+    to_hash: queue.Queue[tuple[Chunk, bytearray] | None] = queue.Queue()
     abort = threading.Event()
     failures: list[BaseException] = []
     copied = 0
@@ -413,64 +455,72 @@ def _copy_and_verify(
             except queue.Empty:
                 continue
 
-    def write_chunks() -> None:
+    def write_and_verify() -> None:
         nonlocal copied
+        read_back = bytearray(request.chunk_bytes)
+        read_back_view = memoryview(read_back)
         written_chunks = 0
         unsynced: list[Chunk] = []
+        last_report = 0.0
 
-        def sync() -> None:
+        def make_durable() -> None:
             os.fdatasync(dst_fd)
+            # Clean now, so DONTNEED drops them (it only starts writeback of dirty pages).
             for chunk in unsynced:
                 os.posix_fadvise(dst_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
             _write_json(
                 request.dest + JOURNAL_SUFFIX,
                 {"key": plan.key, "copied_through": unsynced[-1].copied_through},
             )
-            for chunk in unsynced:
-                to_verify.put(chunk)
             unsynced.clear()
 
         while (item := take(to_write)) is not None:
             chunk, buffer = item
-            if chunk.copied_through <= resume_from:
-                free_buffers.put(buffer)
-                to_verify.put(chunk)
-                continue
-            _pwrite_all(dst_fd, memoryview(buffer)[: chunk.length], chunk.offset)
-            free_buffers.put(buffer)
-            # On dirty pages DONTNEED starts their writeback without waiting for it, so several
-            # chunks are in flight by the time sync() waits; the second DONTNEED drops them.
+            source_bytes = memoryview(buffer)[: chunk.length]
+            fresh = chunk.copied_through > resume_from
+            if fresh:
+                _pwrite_all(dst_fd, source_bytes, chunk.offset)
+            # A fresh chunk reads back from the page cache, a resumed one from the disk.
+            _pread_exact(dst_fd, read_back_view[: chunk.length], chunk.offset, partial)
+            # startswith compares with memcmp; == on memoryviews compares item by item.
+            if not read_back.startswith(source_bytes):
+                raise StagingFailure(
+                    "verify_failed",
+                    f"{partial}: bytes [{chunk.offset}, {chunk.offset + chunk.length}) read "
+                    f"back differ from {plan.source}; the local disk is failing or another "
+                    "process writes this file; the next run starts the copy afresh",
+                )
+            to_hash.put((chunk, buffer))
+            # Starts the writeback of a fresh chunk; drops the read-back pages of a resumed one.
             os.posix_fadvise(dst_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
-            unsynced.append(chunk)
-            copied += chunk.length
-            written_chunks += 1
+            if fresh:
+                unsynced.append(chunk)
+                copied += chunk.length
+                written_chunks += 1
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_INTERVAL_S:
+                progress(chunk.copied_through, total)
+                last_report = now
             stop_after = request.stop_after_chunks
             if stop_after is not None and written_chunks >= stop_after:
-                sync()
+                make_durable()
                 raise StagingFailure(
                     "interrupted",
                     f"stopped on request after {written_chunks} chunks "
                     f"({chunk.copied_through} of {total} bytes durable)",
                 )
-            if len(unsynced) >= SYNC_EVERY_CHUNKS:
-                sync()
+            if sum(written.length for written in unsynced) >= request.sync_bytes:
+                make_durable()
         if unsynced:
-            sync()
-        to_verify.put(None)
-
-    def verify_chunks() -> None:
-        view = memoryview(bytearray(request.chunk_bytes))
-        last_report = 0.0
-        while (chunk := take(to_verify)) is not None:
-            data = view[: chunk.length]
-            _pread_exact(dst_fd, data, chunk.offset, request.dest + PARTIAL_SUFFIX)
-            dest_hashes[chunk.range_index].update(data)
-            os.posix_fadvise(dst_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
-            now = time.monotonic()
-            if now - last_report >= PROGRESS_INTERVAL_S:
-                progress(chunk.copied_through, total)
-                last_report = now
+            make_durable()
+        to_hash.put(None)
         progress(total, total)
+
+    def hash_chunks() -> None:
+        while (item := take(to_hash)) is not None:
+            chunk, buffer = item
+            range_hashes[chunk.range_index].update(memoryview(buffer)[: chunk.length])
+            free_buffers.put(buffer)
 
     def guarded(body: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -485,19 +535,23 @@ def _copy_and_verify(
         return run
 
     threads = [
-        threading.Thread(target=guarded(write_chunks), name="staging-writer", daemon=True),
-        threading.Thread(target=guarded(verify_chunks), name="staging-verifier", daemon=True),
+        threading.Thread(target=guarded(write_and_verify), name="staging-writer", daemon=True),
+        threading.Thread(target=guarded(hash_chunks), name="staging-hasher", daemon=True),
     ]
     for thread in threads:
         thread.start()
 
     def read_chunks() -> None:
-        for chunk in iter_chunks(plan.ranges, request.chunk_bytes, resume_from):
+        chunks = iter_chunks(plan.ranges, request.chunk_bytes, resume_from)
+        following = next(chunks, None)
+        while (chunk := following) is not None:
+            following = next(chunks, None)
+            if following is not None:
+                os.posix_fadvise(src_fd, following.offset, following.length, os.POSIX_FADV_WILLNEED)
             buffer = take(free_buffers)
             data = memoryview(buffer)[: chunk.length]
             _pread_exact(src_fd, data, chunk.offset, plan.source)
             os.posix_fadvise(src_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
-            source_hashes[chunk.range_index].update(data)
             to_write.put((chunk, buffer))
         to_write.put(None)
 
@@ -506,11 +560,7 @@ def _copy_and_verify(
         thread.join()
     if failures:
         raise failures[0]
-    return (
-        [digest.hexdigest() for digest in source_hashes],
-        [digest.hexdigest() for digest in dest_hashes],
-        copied,
-    )
+    return [digest.hexdigest() for digest in range_hashes], copied
 
 
 def _pread_exact(fd: int, data: memoryview, offset: int, path: str) -> None:
@@ -619,28 +669,24 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _report_progress(done: int, total: int) -> None:
-    print(json.dumps({"progress": {"done": done, "total": total}}), file=sys.stderr, flush=True)
+def _emit(line: dict[str, Any]) -> None:
+    print(json.dumps(line), flush=True)
 
 
 def main(argv: Sequence[str]) -> int:
-    mode, request_json = argv
-    request = Request.from_json(json.loads(request_json))
+    (request_json,) = argv
+    node = json.loads(request_json)
+    requests = [Request.from_json(node, shard) for shard in node["shards"]]
     try:
-        if mode == "inspect":
-            result = inspect(request)
-        elif mode == "stage":
-            result = stage(request, _report_progress)
-        else:
-            raise StagingFailure("usage", f"unknown mode {mode!r}; use inspect or stage")
+        stage_all(requests, _emit)
     except StagingFailure as failure:
-        print(json.dumps({"ok": False, "kind": failure.kind, "message": str(failure)}))
+        _emit({"ok": False, "kind": failure.kind, "message": str(failure), "dest": failure.dest})
         return FAILED_EXIT
     except OSError as exc:
-        message = f"{exc.filename or request.dest}: {exc.strerror or exc}"
-        print(json.dumps({"ok": False, "kind": "io", "message": message}))
+        message = f"{exc.filename or 'staging'}: {exc.strerror or exc}"
+        _emit({"ok": False, "kind": "io", "message": message, "dest": None})
         return FAILED_EXIT
-    print(json.dumps({"ok": True, "result": result}))
+    _emit({"ok": True})
     return 0
 
 

@@ -14,7 +14,7 @@ from prefect.states import State
 from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.plan import NodePlan
 from sparkdeploy.ssh import SshTarget, connect
-from sparkdeploy.staging import StagingResult, stage_engram
+from sparkdeploy.staging import EngramShard, StagingResult, stage_engram_shards
 
 GB = 1e9
 
@@ -48,52 +48,63 @@ def artifact_key(prefix: str, node: str) -> str:
 def stage_engram_on_node(node: NodePlan, nas_hf_cache: str) -> list[StagingResult]:
     """Every Engram shard of the node's plan copied (or found, or finished) and verified.
 
-    A retried run resumes an interrupted copy where its journal says it stopped.
+    One python3 on the node checks and copies them all, its progress logged as it comes. A
+    retried run resumes an interrupted copy where its journal says it stopped.
     """
     logger = get_run_logger()
     if not node.engram:
         logger.info("node %s: no Engram shards to stage", node.node)
         return []
 
-    def log_progress(node_name: str, done: int, total: int) -> None:
-        logger.info("node %s: %.2f of %.2f GB verified", node_name, done / GB, total / GB)
+    def log_progress(node_name: str, dest: str, done: int, total: int) -> None:
+        logger.info(
+            "node %s: %s: %.2f of %.2f GB copied and verified",
+            node_name,
+            dest,
+            done / GB,
+            total / GB,
+        )
 
-    results = []
+    for stage in node.engram:
+        logger.info(
+            "node %s: staging %s/%s ranks %s of TP %d to %s",
+            node.node,
+            stage.repo.repo,
+            stage.filename,
+            stage.ranks,
+            stage.tp_size,
+            stage.dest,
+        )
+    shards = [
+        EngramShard(
+            repo=stage.repo.repo,
+            revision=stage.repo.revision,
+            filename=stage.filename,
+            dest=stage.dest,
+            ranks=tuple(stage.ranks),
+            tp_size=stage.tp_size,
+        )
+        for stage in node.engram
+    ]
     with connect(ssh_target(node)) as connection:
-        for stage in node.engram:
-            logger.info(
-                "node %s: staging %s/%s ranks %s of TP %d to %s",
-                node.node,
-                stage.repo.repo,
-                stage.filename,
-                stage.ranks,
-                stage.tp_size,
-                stage.dest,
-            )
-            result = stage_engram(
-                connection,
-                node.node,
-                nas_hf_cache=nas_hf_cache,
-                repo=stage.repo.repo,
-                revision=stage.repo.revision,
-                filename=stage.filename,
-                dest=stage.dest,
-                ranks=stage.ranks,
-                tp_size=stage.tp_size,
-                on_progress=log_progress,
-            )
-            logger.info(
-                "node %s: %s %s: %s, share %.2f GB, wrote %.2f GB, allocated %.2f GB, %.1f s",
-                node.node,
-                stage.filename,
-                result.dest,
-                result.status,
-                result.share_bytes / GB,
-                result.copied_bytes / GB,
-                result.allocated_bytes / GB,
-                result.seconds,
-            )
-            results.append(result)
+        results = stage_engram_shards(
+            connection,
+            node.node,
+            nas_hf_cache=nas_hf_cache,
+            shards=shards,
+            on_progress=log_progress,
+        )
+    for result in results:
+        logger.info(
+            "node %s: %s: %s, share %.2f GB, wrote %.2f GB, allocated %.2f GB, %.1f s",
+            node.node,
+            result.dest,
+            result.status,
+            result.share_bytes / GB,
+            result.copied_bytes / GB,
+            result.allocated_bytes / GB,
+            result.seconds,
+        )
     create_table_artifact(
         key=artifact_key("engram-staging", node.node),
         table=[

@@ -28,6 +28,7 @@ from sparkdeploy.errors import StagingError
 REPO = "lab-org/TinyEngram"
 TP = 3
 CHUNK = 64 * 1024
+SYNC = 4 * CHUNK
 # 6 columns per layer, so each of 3 ranks owns 2; tables of about 1.5 MiB each.
 SPEC = EngramSpec.for_table_bytes(3 * 512 * 1024, n_heads=3)
 
@@ -65,6 +66,7 @@ def stage(nas: Nas, dest: Path, ranks: list[int], **options: int | None) -> stag
         ranks=ranks,
         tp_size=TP,
         chunk_bytes=CHUNK,
+        sync_bytes=SYNC,
         **options,  # type: ignore[arg-type]
     )
 
@@ -159,24 +161,23 @@ def test_killed_copy_resumes(tmp_path: Path) -> None:
     dest = tmp_path / "node" / nas.filename
     request = {
         "nas_hf_cache": str(nas.hf_cache),
-        "repo": REPO,
-        "filename": nas.filename,
-        "dest": str(dest),
-        "ranks": [0],
-        "tp_size": TP,
         "chunk_bytes": 16 * 1024,
+        "sync_bytes": 64 * 1024,
+        "shards": [
+            {
+                "repo": REPO,
+                "filename": nas.filename,
+                "dest": str(dest),
+                "ranks": [0],
+                "tp_size": TP,
+            }
+        ],
     }
     journal = Path(f"{dest}.partial.journal.json")
     process = subprocess.Popen(
-        ["python3", "-I", "-S", "-", "stage", json.dumps(request)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        staging.node_argv(request), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        assert process.stdin is not None
-        process.stdin.write(staging.node_script().encode())
-        process.stdin.close()
         deadline = time.monotonic() + 60
         while not journal.exists() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -238,7 +239,7 @@ def test_no_space_says_how_much_is_needed(nas: Nas, tmp_path: Path) -> None:
 
 
 def test_progress_is_relayed(nas: Nas, tmp_path: Path) -> None:
-    seen: list[tuple[str, int, int]] = []
+    seen: list[tuple[str, str, int, int]] = []
     staging.stage_engram(
         LocalPython(),
         "node-test",
@@ -249,9 +250,10 @@ def test_progress_is_relayed(nas: Nas, tmp_path: Path) -> None:
         dest=str(tmp_path / "node" / nas.filename),
         ranks=[0],
         tp_size=TP,
-        on_progress=lambda node, done, total: seen.append((node, done, total)),
+        on_progress=lambda node, dest, done, total: seen.append((node, dest, done, total)),
     )
-    assert seen and seen[-1][0] == "node-test" and seen[-1][1] == seen[-1][2] > 0
+    assert seen and seen[-1][:2] == ("node-test", str(tmp_path / "node" / nas.filename))
+    assert seen[-1][2] == seen[-1][3] > 0
 
 
 @pytest.mark.lab
