@@ -39,7 +39,6 @@ from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
-    RemoteEntryNotFoundError,
     RevisionNotFoundError,
 )
 from huggingface_hub.file_download import repo_folder_name
@@ -794,9 +793,6 @@ def _map_hub_error(exc: BaseException, ref: RepoLike, hub: HubAccess) -> Prefetc
                 hub,
                 gated=isinstance(cause, GatedRepoError),
                 revision_not_found=isinstance(cause, RevisionNotFoundError),
-                missing_file_url=(
-                    str(cause.response.url) if isinstance(cause, RemoteEntryNotFoundError) else None
-                ),
             )
         if isinstance(cause, httpx2.TransportError):
             return TransientPrefetchError(

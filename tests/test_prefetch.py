@@ -567,6 +567,21 @@ def test_the_cache_resolves_offline_exactly_as_huggingface_hub_writes_it(
     assert loaded.snapshot == Path(outcome.snapshot_dir) and loaded.shards
 
 
+def resident_bytes(path: Path) -> int:
+    """Bytes of `path` in the page cache (util-linux fincore)."""
+    argv = ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)]
+    return int(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout)
+
+
+def test_fetched_files_are_left_out_of_the_page_cache(repos_dir: Path, nas: Path) -> None:
+    generate_repo(repos_dir, "lab-org/big", num_shards=1, total_bytes=80 << 20)
+    with HubServer(repos_dir) as hub:
+        [outcome] = pf.prefetch([pf.RepoSpec("lab-org/big")], nas, pf.HubAccess(hub.url))
+    blobs = [(Path(outcome.snapshot_dir) / f.path).resolve() for f in outcome.files]
+    assert max(b.stat().st_size for b in blobs) > 64 << 20
+    assert {b.name: resident_bytes(b) for b in blobs} == {b.name: 0 for b in blobs}
+
+
 def test_unknown_repo_and_revision_are_clear_errors(hub: HubServer, nas: Path) -> None:
     with pytest.raises(PrefetchError, match="lab-org/nope@main not found") as raised:
         fetch(hub, nas, repo="lab-org/nope")
