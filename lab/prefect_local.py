@@ -49,6 +49,11 @@ class PrefectServer:
         return f"http://127.0.0.1:{self.port}/api"
 
     @property
+    def pid(self) -> int | None:
+        """The server's process (group) id while this object runs it."""
+        return self._process.pid if self._process is not None else None
+
+    @property
     def ui_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
@@ -144,9 +149,7 @@ def run_prefect(
 
 def register_deployments(server: PrefectServer) -> None:
     """Create the process work pool (if missing) and every deployment in prefect.yaml."""
-    pools = run_prefect(server, "work-pool", "ls").stdout
-    if WORK_POOL not in pools:
-        run_prefect(server, "work-pool", "create", WORK_POOL, "--type", "process")
+    run_prefect(server, "work-pool", "create", WORK_POOL, "--type", "process", "--overwrite")
     run_prefect(server, "deploy", "--all", "--no-prompt")
 
 
