@@ -85,14 +85,14 @@ def up() -> int:
     _say(f"starting the Prefect server ({server.ui_url}, SQLite in {PREFECT_HOME})")
     server.start()
     STATE_FILE.write_text(json.dumps({"server": server.pid}))
-    register_deployments(server)
-    worker = start_worker(server, PREFECT_HOME / "worker.log")
+    register_deployments(server.env())
+    worker = start_worker(server.env(), PREFECT_HOME / "worker.log")
     STATE_FILE.write_text(json.dumps({"server": server.pid, "worker": worker.pid}))
     _say("deployments registered; worker started (log: .prefect/worker.log)")
 
     _say(f"prefect deployment run 'deploy/deploy' -p recipe={DEMO_RECIPE} -p cluster={LAB_NAME}")
     result = run_prefect(
-        server,
+        server.env(),
         "deployment",
         "run",
         "deploy/deploy",

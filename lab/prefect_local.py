@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,12 +128,13 @@ class PrefectServer:
 
 
 def run_prefect(
-    server: PrefectServer, *args: str, timeout: float = 300.0
+    env: Mapping[str, str], *args: str, timeout: float = 300.0
 ) -> subprocess.CompletedProcess[str]:
-    """Run a `prefect ...` CLI command against the server, from the project root."""
+    """Run a `prefect ...` CLI command with env (a server's, see PrefectServer.env), from the
+    project root."""
     result = subprocess.run(
         [_prefect_cli(), *args],
-        env=server.env(),
+        env=dict(env),
         cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
@@ -147,18 +149,18 @@ def run_prefect(
     return result
 
 
-def register_deployments(server: PrefectServer) -> None:
-    """Create the process work pool (if missing) and every deployment in prefect.yaml."""
-    run_prefect(server, "work-pool", "create", WORK_POOL, "--type", "process", "--overwrite")
-    run_prefect(server, "deploy", "--all", "--no-prompt")
+def register_deployments(env: Mapping[str, str]) -> None:
+    """The process work pool and every deployment in prefect.yaml, (re)created."""
+    run_prefect(env, "work-pool", "create", WORK_POOL, "--type", "process", "--overwrite")
+    run_prefect(env, "deploy", "--all", "--no-prompt")
 
 
-def start_worker(server: PrefectServer, log_path: Path) -> subprocess.Popen[bytes]:
+def start_worker(env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
     """A process worker polling the project's pool; stop it with stop_worker."""
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [_prefect_cli(), "worker", "start", "--pool", WORK_POOL, "--type", "process"],
-            env=server.env(),
+            env=dict(env),
             cwd=PROJECT_ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,

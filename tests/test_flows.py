@@ -1,0 +1,195 @@
+"""The flows on the lab, against a Prefect server: a full deploy through a worker and
+`prefect deployment run`, named failures that leave nothing behind, node locks between
+deployments, a blocked recipe refused, status and teardown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flows.deploy import deploy
+from flows.status import status
+from flows.teardown import teardown
+from lab.cluster import Lab
+from lab.models import publish_lab_models
+from lab.prefect_local import PROJECT_ROOT, register_deployments, run_prefect, start_worker
+from lab.prefect_local import stop_worker as stop_prefect_worker
+from sparkdeploy import engine_http
+from sparkdeploy.cluster import load_cluster
+from sparkdeploy.errors import BootFailed, NodeLockError, RecipeBlocked, SmokeFailed
+from sparkdeploy.locks import holders
+from sparkdeploy.project import load_plan
+from sparkdeploy.ssh import close_cached
+from sparkdeploy.status import cluster_status
+
+pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
+
+SINGLE = PROJECT_ROOT / "recipes" / "lab-single" / "recipe.toml"
+
+
+@pytest.fixture(scope="module")
+def cluster(lab_cluster: Lab, lab_engine_image: str) -> Iterator[str]:
+    """The lab's inventory (a path: the flows take names or paths), with the lab models."""
+    publish_lab_models(lab_cluster.hub_repos_dir)
+    yield str(lab_cluster.inventory_path)
+    close_cached()
+
+
+def nothing_runs(cluster: str) -> None:
+    inventory = load_cluster(Path(cluster))
+    assert cluster_status(inventory) == []
+    assert set(holders(inventory.name, [n.name for n in inventory.nodes]).values()) == {None}
+
+
+def recipe_variant(tmp_path: Path, name: str, *replacements: tuple[str, str]) -> str:
+    """lab-single with lines replaced, as <tmp>/<name>/recipe.toml; returns the recipe dir."""
+    text = SINGLE.read_text()
+    for old, new in replacements:
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    path = tmp_path / name / "recipe.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    return str(path.parent)
+
+
+def with_fault(fault: str) -> tuple[str, str]:
+    return "[env]\n", f'[env]\nSTANDIN_FAULT = "{fault}"\n'
+
+
+def chat(endpoint: str, model: str, prompt: str) -> str:
+    reply = engine_http.request(
+        "POST",
+        f"{endpoint}/v1/chat/completions",
+        timeout=30,
+        json_body={"model": model, "messages": [{"role": "user", "content": prompt}]},
+    )
+    assert reply.status == 200, reply.body
+    return str(reply.json()["choices"][0]["message"]["content"])
+
+
+def test_full_deploy_through_a_worker_and_prefect_deployment_run(
+    cluster: str, prefect_harness: Path, tmp_path: Path
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "PREFECT_HOME": str(prefect_harness),
+    }
+    register_deployments(env)
+    worker = start_worker(env, tmp_path / "worker.log")
+    try:
+        for flow_name, recipe in (("deploy", "lab-dsv41-3x"), ("status", None)):
+            params = ["-p", f"cluster={cluster}"]
+            if recipe:
+                params += ["-p", f"recipe={recipe}"]
+            run_prefect(
+                env,
+                "deployment",
+                "run",
+                f"{flow_name}/{flow_name}",
+                *params,
+                "--watch",
+                "--watch-timeout",
+                "600",
+                timeout=660,
+            )
+        plan = load_plan("lab-dsv41-3x", cluster)
+        assert "5461" in chat(plan.endpoint, plan.served_model_name, "What is 127*43?")
+        [running] = cluster_status(load_cluster(Path(cluster)))
+        assert running.recipe == "lab-dsv41-3x" and running.healthy
+        assert running.nodes == ["node1", "node2", "node3"]
+        run_prefect(
+            env,
+            "deployment",
+            "run",
+            "teardown/teardown",
+            "-p",
+            f"cluster={cluster}",
+            "-p",
+            "recipe=lab-dsv41-3x",
+            "--watch",
+            timeout=300,
+        )
+    except subprocess.SubprocessError:
+        print((tmp_path / "worker.log").read_text()[-5000:])
+        raise
+    finally:
+        stop_prefect_worker(worker)
+    nothing_runs(cluster)
+
+
+def test_blocked_recipe_is_refused_quoting_its_reason(cluster: str) -> None:
+    with pytest.raises(RecipeBlocked, match="GLM MLA parent-page stride") as refused:
+        deploy("glm53-flash-r27-dflash2", cluster=cluster)
+    assert "allow_blocked" in str(refused.value)
+    nothing_runs(cluster)
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind"),
+    [
+        ("fatal:cuda_oom", "cuda_out_of_memory"),
+        ("exit137", "oom_killed"),
+        ("crash", "engine_core_init_failed"),
+        ("fatal:free_memory", "free_memory_below_utilization"),
+    ],
+)
+def test_an_engine_fault_fails_the_deploy_by_name_and_leaves_nothing(
+    cluster: str, tmp_path: Path, fault: str, kind: str
+) -> None:
+    recipe = recipe_variant(tmp_path, "lab-fault", with_fault(fault))
+    with pytest.raises(BootFailed) as failed:
+        deploy(recipe, cluster=cluster, skip=["smoke"])
+    assert failed.value.kind == kind
+    assert failed.value.node == "node1"
+    nothing_runs(cluster)
+
+
+def test_a_hang_fails_on_the_readiness_timeout(cluster: str, tmp_path: Path) -> None:
+    recipe = recipe_variant(
+        tmp_path,
+        "lab-hang",
+        with_fault("hang"),
+        ('VLLM_ENGINE_READY_TIMEOUT_S = "60"', 'VLLM_ENGINE_READY_TIMEOUT_S = "5"'),
+    )
+    with pytest.raises(BootFailed) as failed:
+        deploy(recipe, cluster=cluster)
+    assert failed.value.kind == "timeout"
+    nothing_runs(cluster)
+
+
+def test_a_bad_engine_fails_the_smoke_test_and_is_rolled_back(cluster: str, tmp_path: Path) -> None:
+    recipe = recipe_variant(tmp_path, "lab-loop", with_fault("token_loop"))
+    with pytest.raises(SmokeFailed, match="no_token_loops"):
+        deploy(recipe, cluster=cluster)
+    nothing_runs(cluster)
+
+
+def test_overlapping_deployments_never_both_run(cluster: str, tmp_path: Path) -> None:
+    first = deploy("lab-single", cluster=cluster)
+    try:
+        two_nodes = recipe_variant(
+            tmp_path,
+            "lab-two",
+            ("required_nodes = 1", "required_nodes = 2"),
+            ("tensor_parallel_size = 1", "tensor_parallel_size = 2"),
+        )
+        with pytest.raises(
+            NodeLockError, match=f"node1 is held by deployment {first.deployment_id}"
+        ):
+            deploy(two_nodes, cluster=cluster, lock_timeout_s=3)
+        [running] = cluster_status(load_cluster(Path(cluster)))
+        assert running.deployment_id == first.deployment_id and running.healthy
+        assert status(cluster=cluster)[0].deployment_id == first.deployment_id
+    finally:
+        teardown("lab-single", cluster=cluster)
+    # Idempotent: a second teardown finds nothing and succeeds.
+    assert teardown("lab-single", cluster=cluster).removed == []
+    nothing_runs(cluster)
