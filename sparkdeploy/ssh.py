@@ -9,6 +9,7 @@ here, with backoff, and nowhere else; they surface as TransientRemoteError when 
 
 from __future__ import annotations
 
+import atexit
 import shlex
 import threading
 import time
@@ -394,11 +395,15 @@ def cached_connection(target: SshTarget) -> Connection:
 
 
 def close_cached() -> None:
+    """Close every cached connection (also done at interpreter exit)."""
     with _cache_lock:
         connections = list(_cache.values())
         _cache.clear()
     for connection in connections:
         connection.close()
+
+
+atexit.register(close_cached)
 
 
 def on_all(

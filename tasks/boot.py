@@ -10,7 +10,6 @@ from sparkdeploy.boot import DEFAULT_MIN_MEMORY_BYTES, BootResult, boot
 from sparkdeploy.docker_remote import plan_targets
 from sparkdeploy.locks import DEFAULT_TIMEOUT_S, acquire_nodes, release_nodes
 from sparkdeploy.plan import Plan
-from sparkdeploy.ssh import close_cached
 from sparkdeploy.teardown import teardown
 
 
@@ -41,6 +40,4 @@ def boot_deployment(
         # Nothing of the deployment is left on the nodes, so none of them stays held by it.
         release_nodes(plan.cluster, nodes, plan.deployment_id, log=logger.info)
         raise
-    finally:
-        close_cached()
     return result

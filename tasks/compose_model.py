@@ -8,7 +8,7 @@ from prefect.logging import get_run_logger
 
 from sparkdeploy.compose import ComposeResult, compose_model
 from sparkdeploy.plan import NodePlan
-from sparkdeploy.ssh import connect
+from sparkdeploy.ssh import cached_connection
 from tasks.stage_engram import artifact_key, only_transient_remote, ssh_target
 
 
@@ -25,15 +25,14 @@ def compose_model_on_node(node: NodePlan, nas_hf_cache: str) -> ComposeResult | 
     if composed is None:
         logger.info("node %s: the recipe composes no model", node.node)
         return None
-    with connect(ssh_target(node)) as connection:
-        result = compose_model(
-            connection,
-            node.node,
-            root=composed.root,
-            nas_hf_cache=nas_hf_cache,
-            sources=[(source.repo, source.revision) for source in composed.sources],
-            local_files=composed.local_files,
-        )
+    result = compose_model(
+        cached_connection(ssh_target(node)),
+        node.node,
+        root=composed.root,
+        nas_hf_cache=nas_hf_cache,
+        sources=[(source.repo, source.revision) for source in composed.sources],
+        local_files=composed.local_files,
+    )
     logger.info(
         "node %s: composed model %s %s (%s), %d local files hardlinked, mounted at %s",
         node.node,

@@ -10,7 +10,6 @@ from sparkdeploy.docker_remote import plan_targets
 from sparkdeploy.images import ImageReport, ensure_image
 from sparkdeploy.plan import Plan
 from sparkdeploy.project import find_image_dir
-from sparkdeploy.ssh import close_cached
 from tasks.stage_engram import artifact_key, only_transient_remote
 
 
@@ -28,16 +27,13 @@ def ensure_images(plan: Plan) -> ImageReport:
     """
     logger = get_run_logger()
     image_dir = find_image_dir(plan.docker_image_dir) if plan.docker_image_dir else None
-    try:
-        report = ensure_image(
-            plan_targets(plan),
-            plan.docker_image,
-            image_dir=image_dir,
-            registry=plan.registry,
-            log=logger.info,
-        )
-    finally:
-        close_cached()
+    report = ensure_image(
+        plan_targets(plan),
+        plan.docker_image,
+        image_dir=image_dir,
+        registry=plan.registry,
+        log=logger.info,
+    )
     create_table_artifact(
         key=artifact_key("image", plan.deployment_id),
         table=[

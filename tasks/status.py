@@ -8,7 +8,6 @@ from prefect.logging import get_run_logger
 
 from sparkdeploy.cluster import load_cluster
 from sparkdeploy.project import find_cluster
-from sparkdeploy.ssh import close_cached
 from sparkdeploy.status import DeploymentStatus, cluster_status
 from tasks.stage_engram import artifact_key
 
@@ -18,10 +17,7 @@ def read_cluster_status(cluster: str) -> list[DeploymentStatus]:
     """Every deployment of ours on the cluster, with its head's health; a table artifact."""
     logger = get_run_logger()
     inventory = load_cluster(find_cluster(cluster))
-    try:
-        statuses = cluster_status(inventory)
-    finally:
-        close_cached()
+    statuses = cluster_status(inventory)
     for status in statuses:
         logger.info(
             "%s (%s) on %s since %s: %s",

@@ -11,7 +11,6 @@ from sparkdeploy.cluster import load_cluster
 from sparkdeploy.docker_remote import cluster_targets
 from sparkdeploy.locks import release_nodes
 from sparkdeploy.project import find_cluster
-from sparkdeploy.ssh import close_cached
 from sparkdeploy.teardown import TeardownReport, teardown
 from tasks.stage_engram import artifact_key, only_transient_remote
 
@@ -40,12 +39,9 @@ def teardown_deployment(deployment_id: str, cluster: str) -> TeardownReport:
     the NAS, removed; then the node locks it holds released. A second run finds nothing."""
     logger = get_run_logger()
     inventory = load_cluster(find_cluster(cluster))
-    try:
-        report = teardown(
-            deployment_id, cluster_targets(inventory), inventory.nas.runs_dir, log=logger.info
-        )
-    finally:
-        close_cached()
+    report = teardown(
+        deployment_id, cluster_targets(inventory), inventory.nas.runs_dir, log=logger.info
+    )
     release_nodes(
         inventory.name, [node.name for node in inventory.nodes], deployment_id, log=logger.info
     )

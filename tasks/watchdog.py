@@ -8,7 +8,6 @@ from prefect.logging import get_run_logger
 from sparkdeploy.cluster import load_cluster
 from sparkdeploy.plan import Plan
 from sparkdeploy.project import find_cluster
-from sparkdeploy.ssh import close_cached
 from sparkdeploy.status import cluster_status
 
 
@@ -17,10 +16,7 @@ def running_plans(cluster: str) -> list[Plan]:
     """A plan per deployment running on the cluster whose head is up, rebuilt from its labels."""
     logger = get_run_logger()
     inventory = load_cluster(find_cluster(cluster))
-    try:
-        statuses = cluster_status(inventory)
-    finally:
-        close_cached()
+    statuses = cluster_status(inventory)
     plans = []
     for status in statuses:
         if status.plan is None:
