@@ -30,13 +30,13 @@ from sparkdeploy.docker_remote import (
     checked,
     docker,
     on_nodes,
-    plan_targets,
     probe,
     stderr_text,
 )
 from sparkdeploy.errors import BootError
 from sparkdeploy.plan import NodePlan, Plan
 from sparkdeploy.ssh import cached_connection
+from sparkdeploy.targets import plan_targets
 from sparkdeploy.teardown import RemovedContainer, remove_labelled
 
 GIB = 1024**3

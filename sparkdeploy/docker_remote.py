@@ -15,10 +15,9 @@ from functools import cache
 from typing import Any, Protocol, TypeVar
 
 from sparkdeploy import node_probe
-from sparkdeploy.cluster import Cluster
 from sparkdeploy.errors import ImageError, RemoteError, TransientRemoteError
 from sparkdeploy.node_script import STDERR_TAIL_CHARS, build_node_script, last_json_line
-from sparkdeploy.plan import LABEL_PREFIX, Plan
+from sparkdeploy.plan import LABEL_PREFIX
 from sparkdeploy.ssh import CommandResult, LineStream, SshTarget, on_all
 
 DOCKER_TIMEOUT_S = 60.0
@@ -86,26 +85,6 @@ class ContainerInfo:
     status: str  # created, running, exited, ...
     exit_code: int
     started_at: str
-
-
-def cluster_targets(cluster: Cluster) -> dict[str, SshTarget]:
-    """SSH targets of every node of a cluster, in inventory order."""
-    return {
-        node.name: SshTarget(
-            host=node.host,
-            port=node.port,
-            user=node.user,
-            identity_file=node.identity_file,
-            known_hosts=cluster.known_hosts,
-            connect_timeout_s=node.connect_timeout_s,
-        )
-        for node in cluster.nodes
-    }
-
-
-def plan_targets(plan: Plan) -> dict[str, SshTarget]:
-    """SSH targets of a plan's nodes, in rank order."""
-    return {node.node: SshTarget(**node.ssh.model_dump()) for node in plan.nodes}
 
 
 def on_nodes(targets: Mapping[str, SshTarget], work: Callable[[Runner, str], T]) -> dict[str, T]:

@@ -21,6 +21,7 @@ from sparkdeploy.errors import BootFailed, RemoteError
 from sparkdeploy.gate import GateEvent, GateResult, ReadinessGate, follow_lines
 from sparkdeploy.plan import NodePlan, Plan
 from sparkdeploy.ssh import Connection, LineStream, SshTarget, cached_connection
+from sparkdeploy.targets import node_target
 from sparkdeploy.vllm_markers import HEADLESS_WORKER_JOINED
 
 # The log streams outlive the gate's own timeout by this much, so the gate always decides first.
@@ -29,10 +30,6 @@ DOCKER_COMMAND_TIMEOUT_S = 15.0
 FOLLOWER_JOIN_S = 2.0
 
 ConnectionFactory = Callable[[SshTarget], Connection]
-
-
-def ssh_target(node: NodePlan) -> SshTarget:
-    return SshTarget(**node.ssh.model_dump())
 
 
 def head_of(plan: Plan) -> NodePlan:
@@ -138,7 +135,7 @@ def wait_until_ready(
 
     def attach(node: NodePlan) -> _Follower:
         try:
-            follower = _Follower(node, connection_for(ssh_target(node)), stop)
+            follower = _Follower(node, connection_for(node_target(node)), stop)
             follower.check_container()
             follower.start(events, timeout)
         except RemoteError as error:

@@ -15,7 +15,6 @@ from sparkdeploy.docker_remote import (
     NODE_LABEL,
     RANK_LABEL,
     ContainerInfo,
-    cluster_targets,
     list_containers,
     on_nodes,
 )
@@ -24,6 +23,7 @@ from sparkdeploy.gate import probe_endpoint
 from sparkdeploy.plan import LABEL_PREFIX, Plan, make_plan
 from sparkdeploy.project import find_recipe
 from sparkdeploy.recipe import load_recipe
+from sparkdeploy.targets import cluster_targets
 
 RECIPE_LABEL = f"{LABEL_PREFIX}recipe"
 HEALTH_TIMEOUT_S = 3.0

@@ -7,9 +7,9 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from sparkdeploy.boot import DEFAULT_MIN_MEMORY_BYTES, BootResult, boot
-from sparkdeploy.docker_remote import plan_targets
 from sparkdeploy.locks import DEFAULT_TIMEOUT_S, acquire_nodes, release_nodes
 from sparkdeploy.plan import Plan
+from sparkdeploy.targets import plan_targets
 from sparkdeploy.teardown import teardown
 
 

@@ -7,16 +7,18 @@ from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.compose import ComposeResult, compose_model
+from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.plan import NodePlan
 from sparkdeploy.ssh import cached_connection
-from tasks.stage_engram import artifact_key, only_transient_remote, ssh_target
+from sparkdeploy.targets import node_target
+from tasks.common import artifact_key, retry_only
 
 
 @task(
     name="compose-model",
     retries=3,
     retry_delay_seconds=[5, 30, 120],
-    retry_condition_fn=only_transient_remote,
+    retry_condition_fn=retry_only(TransientRemoteError),
 )
 def compose_model_on_node(node: NodePlan, nas_hf_cache: str) -> ComposeResult | None:
     """The node's composed HF cache built, rebuilt or found unchanged; None if it has none."""
@@ -26,7 +28,7 @@ def compose_model_on_node(node: NodePlan, nas_hf_cache: str) -> ComposeResult | 
         logger.info("node %s: the recipe composes no model", node.node)
         return None
     result = compose_model(
-        cached_connection(ssh_target(node)),
+        cached_connection(node_target(node)),
         node.node,
         root=composed.root,
         nas_hf_cache=nas_hf_cache,

@@ -17,7 +17,7 @@ from sparkdeploy.errors import BootFailed
 from sparkdeploy.gate import GateResult, ReadinessGate
 from sparkdeploy.plan import Plan
 from sparkdeploy.readiness import gate_for, wait_until_ready
-from tasks.stage_engram import artifact_key
+from tasks.common import artifact_key
 
 
 def _figures_text(figures: dict[str, float]) -> str:

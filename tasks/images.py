@@ -6,18 +6,19 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
-from sparkdeploy.docker_remote import plan_targets
+from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.images import ImageReport, ensure_image
 from sparkdeploy.plan import Plan
 from sparkdeploy.project import find_image_dir
-from tasks.stage_engram import artifact_key, only_transient_remote
+from sparkdeploy.targets import plan_targets
+from tasks.common import artifact_key, retry_only
 
 
 @task(
     name="image",
     retries=2,
     retry_delay_seconds=[15, 60],
-    retry_condition_fn=only_transient_remote,
+    retry_condition_fn=retry_only(TransientRemoteError),
 )
 def ensure_images(plan: Plan) -> ImageReport:
     """Pulled (or built once and distributed) where missing; one image ID on every node.

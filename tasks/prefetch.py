@@ -15,16 +15,14 @@ from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
 
-from prefect import Task, task
+from prefect import task
 from prefect.artifacts import (
     create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
 )
 from prefect.blocks.system import Secret
-from prefect.client.schemas.objects import TaskRun
 from prefect.logging import get_run_logger
-from prefect.states import State
 
 from sparkdeploy.errors import TransientPrefetchError
 from sparkdeploy.prefetch import (
@@ -37,6 +35,7 @@ from sparkdeploy.prefetch import (
     human_bytes,
     prefetch,
 )
+from tasks.common import retry_only
 
 PROGRESS_ARTIFACT_KEY = "prefetch-progress"
 FILES_ARTIFACT_KEY = "prefetch-files"
@@ -50,17 +49,6 @@ def load_hub_token() -> str | None:
         return str(secret.get())
     except ValueError:  # Prefect's answer for a block that does not exist
         return os.environ.get("HF_TOKEN") or None
-
-
-def only_transient_failures(task: Task[Any, Any], task_run: TaskRun, state: State[Any]) -> bool:
-    """Retry a hub outage or a 5xx; never a 404, a gated repo, a full NAS or a corrupt file."""
-    try:
-        state.result()
-    except TransientPrefetchError:
-        return True
-    except Exception:
-        return False
-    return False
 
 
 class PrefectReporter:
@@ -127,7 +115,7 @@ def files_table(outcomes: Sequence[RepoOutcome]) -> list[dict[str, Any]]:
     name="prefetch",
     retries=3,
     retry_delay_seconds=[10, 60, 300],
-    retry_condition_fn=only_transient_failures,
+    retry_condition_fn=retry_only(TransientPrefetchError),
 )
 def prefetch_repos(
     repos: Sequence[RepoLike],

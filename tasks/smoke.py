@@ -16,7 +16,7 @@ from prefect.logging import get_run_logger
 from sparkdeploy.plan import Plan
 from sparkdeploy.readiness import head_of
 from sparkdeploy.smoke import SmokeReport, SmokeSettings, run_smoke
-from tasks.stage_engram import artifact_key
+from tasks.common import artifact_key
 
 AUTO_TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
 REASONING_PARSER_FLAG = "--reasoning-parser"

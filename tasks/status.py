@@ -9,7 +9,7 @@ from prefect.logging import get_run_logger
 from sparkdeploy.cluster import load_cluster
 from sparkdeploy.project import find_cluster
 from sparkdeploy.status import DeploymentStatus, cluster_status
-from tasks.stage_engram import artifact_key
+from tasks.common import artifact_key
 
 
 @task(name="cluster-status")

@@ -6,7 +6,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
 from sparkdeploy.summary import DeploySummary
-from tasks.stage_engram import artifact_key
+from tasks.common import artifact_key
 
 
 @task(name="summary")

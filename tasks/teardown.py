@@ -8,11 +8,12 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.cluster import load_cluster
-from sparkdeploy.docker_remote import cluster_targets
+from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.locks import release_nodes
 from sparkdeploy.project import find_cluster
+from sparkdeploy.targets import cluster_targets
 from sparkdeploy.teardown import TeardownReport, teardown
-from tasks.stage_engram import artifact_key, only_transient_remote
+from tasks.common import artifact_key, retry_only
 
 
 def _excerpt_markdown(report: TeardownReport) -> str:
@@ -32,7 +33,7 @@ def _excerpt_markdown(report: TeardownReport) -> str:
     name="teardown",
     retries=2,
     retry_delay_seconds=[5, 30],
-    retry_condition_fn=only_transient_remote,
+    retry_condition_fn=retry_only(TransientRemoteError),
 )
 def teardown_deployment(deployment_id: str, cluster: str) -> TeardownReport:
     """Every node of the cluster searched for the deployment's containers (by label): logged to

@@ -17,9 +17,9 @@ from lab.cluster import Lab
 from lab.tinymodel import generate_repo
 from sparkdeploy.cluster import load_cluster
 from sparkdeploy.plan import NodePlan, Plan, make_plan
-from sparkdeploy.readiness import ssh_target
 from sparkdeploy.recipe import load_recipe
 from sparkdeploy.ssh import Connection, SshTarget, on_all
+from sparkdeploy.targets import node_target
 
 MODEL = "lab/tiny-chat"
 SERVED = "tiny"
@@ -104,7 +104,7 @@ class Deployment:
         return [f"{node}:{container}" for node, ids in found.items() for container in ids]
 
     def _targets(self) -> dict[str, SshTarget]:
-        return {node.node: ssh_target(node) for node in self.plan.nodes}
+        return {node.node: node_target(node) for node in self.plan.nodes}
 
     def _node_of(self, target: SshTarget) -> NodePlan:
-        return next(node for node in self.plan.nodes if ssh_target(node) == target)
+        return next(node for node in self.plan.nodes if node_target(node) == target)

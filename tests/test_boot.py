@@ -12,12 +12,12 @@ import pytest
 from lab.cluster import Lab
 from sparkdeploy.boot import _node_problems, boot
 from sparkdeploy.cluster import load_cluster
-from sparkdeploy.docker_remote import plan_targets
 from sparkdeploy.errors import BootError
 from sparkdeploy.node_probe import detect_roce, ipv4_of_gid
 from sparkdeploy.plan import Plan, make_plan
 from sparkdeploy.recipe import Recipe
 from sparkdeploy.ssh import cached_connection
+from sparkdeploy.targets import plan_targets
 from sparkdeploy.teardown import teardown
 
 GIB = 1024**3

@@ -22,9 +22,9 @@ from sparkdeploy.errors import BootFailed, SmokeFailed
 from sparkdeploy.gate import GateResult
 from sparkdeploy.plan import Plan
 from sparkdeploy.smoke import SmokeReport
+from tasks.common import artifact_key
 from tasks.gate import readiness_gate
 from tasks.smoke import smoke_settings, smoke_test
-from tasks.stage_engram import artifact_key
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 

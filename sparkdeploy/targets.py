@@ -1,0 +1,32 @@
+"""SSH targets of plan and inventory nodes (kept out of plan.py and cluster.py, which must not
+import paramiko: `sparkdeploy validate` stays fast)."""
+
+from __future__ import annotations
+
+from sparkdeploy.cluster import Cluster
+from sparkdeploy.plan import NodePlan, Plan
+from sparkdeploy.ssh import SshTarget
+
+
+def node_target(node: NodePlan) -> SshTarget:
+    return SshTarget(**node.ssh.model_dump())
+
+
+def plan_targets(plan: Plan) -> dict[str, SshTarget]:
+    """SSH targets of a plan's nodes, in rank order."""
+    return {node.node: node_target(node) for node in plan.nodes}
+
+
+def cluster_targets(cluster: Cluster) -> dict[str, SshTarget]:
+    """SSH targets of every node of a cluster, in inventory order."""
+    return {
+        node.name: SshTarget(
+            host=node.host,
+            port=node.port,
+            user=node.user,
+            identity_file=node.identity_file,
+            known_hosts=cluster.known_hosts,
+            connect_timeout_s=node.connect_timeout_s,
+        )
+        for node in cluster.nodes
+    }
