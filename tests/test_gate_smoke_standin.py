@@ -43,7 +43,6 @@ SERVE_FLAGS = [
 ]
 
 
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
