@@ -12,12 +12,13 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hfcache_layout import cache_repo, commit_of
-from local_node import LocalPython
+from local_node import LocalPython, LocalStream
 
 from lab.cluster import Lab
 from lab.tinymodel import EngramSpec, generate_repo
@@ -39,6 +40,7 @@ class Nas:
     repos: Path
     snapshot: Path
     filename: str
+    all_shards: list[str]
 
 
 def make_nas(root: Path, revision: str = "1", spec: EngramSpec = SPEC) -> Nas:
@@ -46,7 +48,13 @@ def make_nas(root: Path, revision: str = "1", spec: EngramSpec = SPEC) -> Nas:
         root / f"repos-{revision}", REPO, revision=revision, engram=spec, tp_size=TP
     )
     snapshot = cache_repo(repo, root / "hf-cache", revision=revision)
-    return Nas(root / "hf-cache", root / f"repos-{revision}", snapshot, repo.engram_shards[1])
+    return Nas(
+        root / "hf-cache",
+        root / f"repos-{revision}",
+        snapshot,
+        repo.engram_shards[1],
+        sorted(repo.engram_shards.values()),
+    )
 
 
 @pytest.fixture
@@ -54,7 +62,14 @@ def nas(tmp_path: Path) -> Nas:
     return make_nas(tmp_path)
 
 
-def stage(nas: Nas, dest: Path, ranks: list[int], **options: int | None) -> staging.StagingResult:
+def stage(
+    nas: Nas,
+    dest: Path,
+    ranks: list[int],
+    *,
+    stop_after_chunks: int | None = None,
+    on_progress: Callable[[str, str, int, int], None] | None = None,
+) -> staging.StagingResult:
     return staging.stage_engram(
         LocalPython(),
         "node-test",
@@ -67,7 +82,8 @@ def stage(nas: Nas, dest: Path, ranks: list[int], **options: int | None) -> stag
         tp_size=TP,
         chunk_bytes=CHUNK,
         sync_bytes=SYNC,
-        **options,  # type: ignore[arg-type]
+        stop_after_chunks=stop_after_chunks,
+        on_progress=on_progress,
     )
 
 
@@ -238,22 +254,89 @@ def test_no_space_says_how_much_is_needed(nas: Nas, tmp_path: Path) -> None:
         subprocess.run(["umount", str(small)], check=True)
 
 
-def test_progress_is_relayed(nas: Nas, tmp_path: Path) -> None:
-    seen: list[tuple[str, str, int, int]] = []
-    staging.stage_engram(
-        LocalPython(),
-        "node-test",
-        nas_hf_cache=str(nas.hf_cache),
-        repo=REPO,
-        revision=None,
-        filename=nas.filename,
-        dest=str(tmp_path / "node" / nas.filename),
-        ranks=[0],
-        tp_size=TP,
-        on_progress=lambda node, dest, done, total: seen.append((node, dest, done, total)),
-    )
-    assert seen and seen[-1][:2] == ("node-test", str(tmp_path / "node" / nas.filename))
+def test_progress_arrives_while_the_copy_runs(nas: Nas, tmp_path: Path) -> None:
+    dest = tmp_path / "node" / nas.filename
+    seen: list[tuple[str, str, int, int, bool]] = []
+
+    def on_progress(node: str, dest_path: str, done: int, total: int) -> None:
+        # Live: the node script has not renamed its partial copy into place yet.
+        seen.append((node, dest_path, done, total, Path(f"{dest}.partial").exists()))
+
+    stage(nas, dest, [0], on_progress=on_progress)
+    assert seen and all(partial for *_, partial in seen)
+    assert seen[-1][:2] == ("node-test", str(dest))
     assert seen[-1][2] == seen[-1][3] > 0
+
+
+class CountingRunner(LocalPython):
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def stream_lines(
+        self, argv: Sequence[str], *, timeout: float, idle_timeout: float | None = None
+    ) -> LocalStream:
+        self.launches += 1
+        return super().stream_lines(argv, timeout=timeout, idle_timeout=idle_timeout)
+
+
+def node_shards(nas: Nas, root: Path, rank: int) -> list[staging.EngramShard]:
+    return [
+        staging.EngramShard(REPO, None, name, str(root / name), (rank,), TP)
+        for name in nas.all_shards
+    ]
+
+
+def test_all_shards_of_a_node_in_one_launch(nas: Nas, tmp_path: Path) -> None:
+    runner = CountingRunner()
+    shards = node_shards(nas, tmp_path / "node", 2)
+    assert len(shards) == 2
+    results = staging.stage_engram_shards(
+        runner, "node-test", nas_hf_cache=str(nas.hf_cache), shards=shards, chunk_bytes=CHUNK
+    )
+    assert [result.status for result in results] == ["copied", "copied"]
+    for shard, result in zip(shards, results, strict=True):
+        assert result.dest == shard.dest
+        assert_sparse_copy_of(nas.snapshot / shard.filename, Path(shard.dest), result.ranges)
+    again = staging.stage_engram_shards(
+        runner, "node-test", nas_hf_cache=str(nas.hf_cache), shards=shards
+    )
+    assert [result.status for result in again] == ["skipped", "skipped"]
+    assert runner.launches == 2
+
+
+def test_every_shard_is_checked_before_any_is_copied(nas: Nas, tmp_path: Path) -> None:
+    shards = node_shards(nas, tmp_path / "node", 0)
+    (nas.snapshot / shards[1].filename).unlink()
+    with pytest.raises(StagingError, match=r"\[missing_source\]") as raised:
+        staging.stage_engram_shards(
+            LocalPython(), "node-test", nas_hf_cache=str(nas.hf_cache), shards=shards
+        )
+    assert shards[1].dest in str(raised.value)
+    assert shards[0].dest not in str(raised.value)
+    assert not (tmp_path / "node").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs")
+def test_free_space_is_checked_for_all_copies_together(nas: Nas, tmp_path: Path) -> None:
+    one = stage(nas, tmp_path / "probe" / nas.filename, [0])
+    small = tmp_path / "small"
+    small.mkdir()
+    # Room for one rank-0 copy, not for both shards'.
+    size_kib = (one.copied_bytes * 3 // 2) // 1024
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(small)], check=True
+    )
+    try:
+        with pytest.raises(StagingError, match=r"\[no_space\].* and .* needs"):
+            staging.stage_engram_shards(
+                LocalPython(),
+                "node-test",
+                nas_hf_cache=str(nas.hf_cache),
+                shards=node_shards(nas, small, 0),
+            )
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
 
 
 @pytest.mark.lab
