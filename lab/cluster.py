@@ -10,7 +10,8 @@ Topology (names and addresses from lab.layout, derived from the lab's name):
 The bridge sits in its own namespace so node-to-node traffic never crosses the host's firewall.
 Each node runs lab/nodeinit.py in its own mount and UTS namespaces (own /run, /tmp + /var/tmp,
 /var/lib/docker, /etc/ssh, /etc/docker, /etc/hosts, hostname), which starts the node's dockerd
-and becomes its sshd. Everything lives under .lab/<name>/ (gitignored); `down` removes it all.
+and becomes its sshd. Everything lives under <lab root>/<name>/ (sparkdeploy.project.lab_root:
+/srv/sparkdeploy-lab unless SPARKDEPLOY_LAB_ROOT says otherwise); `down` removes it all.
 """
 
 from __future__ import annotations

@@ -32,13 +32,14 @@ from pathlib import Path, PurePosixPath
 from lab.cluster import Lab, run
 from lab.layout import ENGINE_IMAGE, REPO_ROOT
 from sparkdeploy.errors import LabError
+from sparkdeploy.project import lab_root
 
 BUSYBOX = Path("/usr/bin/busybox")
 IMAGE_PYTHON_PREFIX = PurePosixPath("/usr/local")
 STANDIN_DIR = PurePosixPath("/opt/standin")
 PUSH_TIMEOUT_S = 120
 # Outside every lab's state dir, so a new lab (whose registry starts empty) skips the build.
-IMAGE_CACHE_DIR = REPO_ROOT / ".lab" / "image-cache"
+IMAGE_CACHE_DIR = lab_root() / "image-cache"
 # Not needed to run the stand-in, and the bulk of a stdlib.
 STDLIB_SKIPPED_DIRS = frozenset(
     {

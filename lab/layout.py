@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparkdeploy.errors import LabError
+from sparkdeploy.project import lab_root
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_NAME = "lab"
@@ -30,7 +31,7 @@ _NAME_PATTERN = re.compile(r"[a-z][a-z0-9-]{0,19}")
 class LabLayout:
     name: str
     node_count: int
-    state_root: Path = REPO_ROOT / ".lab"
+    state_root: Path = field(default_factory=lab_root)
 
     def __post_init__(self) -> None:
         if not _NAME_PATTERN.fullmatch(self.name):

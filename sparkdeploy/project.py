@@ -2,7 +2,7 @@
 
 The CLI and the flows resolve names the same way: a recipe name is recipes/<name>/recipe.toml,
 a cluster name is clusters/<name>.toml or, for a lab brought up by `python -m lab up --name
-NAME`, the inventory the lab wrote at .lab/<NAME>/cluster.toml.
+NAME`, the inventory the lab wrote at <lab root>/<NAME>/cluster.toml.
 """
 
 from __future__ import annotations
@@ -17,12 +17,20 @@ from sparkdeploy.plan import Plan, make_plan
 from sparkdeploy.recipe import load_recipe, recipe_paths
 
 ROOT_ENV = "SPARKDEPLOY_ROOT"
+LAB_ROOT_ENV = "SPARKDEPLOY_LAB_ROOT"
+# Where labs keep their state, NAS and inventory. Not under /tmp, /var, /run or /etc: a lab
+# node mounts its own over those, which would hide the lab's files from it.
+DEFAULT_LAB_ROOT = Path("/srv/sparkdeploy-lab")
 # The package sits at the project root; a worker's flow runs find recipes/ from here.
 DEFAULT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def project_root() -> Path:
     return Path(os.environ.get(ROOT_ENV) or DEFAULT_ROOT)
+
+
+def lab_root() -> Path:
+    return Path(os.environ.get(LAB_ROOT_ENV) or DEFAULT_LAB_ROOT)
 
 
 def _is_path(value: str) -> bool:
@@ -45,19 +53,20 @@ def find_recipe(value: str, root: Path | None = None) -> Path:
 
 
 def find_cluster(value: str, root: Path | None = None) -> Path:
-    """clusters/<value>.toml, the lab's .lab/<value>/cluster.toml, or value itself as a path."""
+    """clusters/<value>.toml, a running lab's inventory, or value itself as a path."""
     root = root or project_root()
     if _is_path(value):
         return Path(value)
-    for candidate in (root / "clusters" / f"{value}.toml", root / ".lab" / value / "cluster.toml"):
+    labs = lab_root()
+    for candidate in (root / "clusters" / f"{value}.toml", labs / value / "cluster.toml"):
         if candidate.exists():
             return candidate
     known = [path.stem for path in sorted((root / "clusters").glob("*.toml"))]
-    known += [path.parent.name for path in sorted((root / ".lab").glob("*/cluster.toml"))]
+    known += [path.parent.name for path in sorted(labs.glob("*/cluster.toml"))]
     raise SparkDeployError(
-        f"no cluster named {value!r}: neither clusters/{value}.toml nor .lab/{value}/cluster.toml "
-        f"exists under {root} (known: {', '.join(known) or 'none'}; `python -m lab up` writes "
-        "the lab's)"
+        f"no cluster named {value!r}: neither {root}/clusters/{value}.toml nor "
+        f"{labs}/{value}/cluster.toml exists (known: {', '.join(known) or 'none'}; "
+        "`python -m lab up --name NAME` writes a lab's)"
     )
 
 
