@@ -14,12 +14,12 @@ fixed-size chunks by three threads passing a few reused buffers around (memory s
 
 - the reader prefetches the next chunk (WILLNEED; readahead would cache bytes past the ranges'
   ends), reads the chunk and drops it from the page cache;
-- the writer writes it, reads it back through the file and compares it with the source bytes,
-  and starts its writeback (DONTNEED on dirty pages); every sync_bytes it makes the written
-  part durable (fdatasync), drops it from the page cache (clean pages only go; unified memory:
-  cached copy pages compete with the GPU for the same RAM) and records in a journal how far the
-  durable part reaches, so an interrupted copy resumes there (a resumed run reads the durable
-  part back from the disk and compares it too);
+- the writer writes it, reads it back through the file and compares it with the source bytes;
+  every sync_bytes it makes the written part durable (fdatasync), then drops it from the page
+  cache (DONTNEED drops clean pages only; unified memory: cached copy pages compete with the
+  GPU for the same RAM) and records in a journal how far the durable part reaches, so an
+  interrupted copy resumes there (a resumed run reads the durable part back from the disk and
+  compares it too);
 - the hasher computes each range's sha256 for the manifest, off the reader's path.
 
 Then the file's data extents are checked against the ranges (holes where holes belong), and
@@ -59,10 +59,10 @@ DEFAULT_CHUNK_BYTES = 16 * MIB
 # Chunk buffers passed from the reader to the writer to the hasher and back; the writer has one
 # more for reading back.
 CHUNK_BUFFERS = 5
-# Written bytes between two fdatasyncs (each a journal entry). Writeback of every chunk starts
-# as soon as it is written, so a sync mostly waits for the last chunk; syncing often would leave
-# the disk idle while the writer waits, syncing rarely would keep more dirty pages and lose more
-# work to an interruption.
+# Written bytes between two fdatasyncs (each a journal entry); they stay dirty in the page cache
+# until then. Measured on one disk with the source: one batch of writes per sync beats starting
+# each chunk's writeback as it is written (reads and writes interleave less). Syncing rarely
+# would keep more dirty pages and lose more work to an interruption.
 DEFAULT_SYNC_BYTES = 128 * MIB
 FAILED_EXIT = 3
 PROGRESS_INTERVAL_S = 1.0
@@ -344,6 +344,7 @@ def _about(dest: str) -> Iterator[None]:
 
 
 def stage(plan: CopyPlan, resume_from: int, progress: Progress) -> dict[str, Any]:
+    """Copy, verify and put in place one checked plan (resume_from bytes already durable)."""
     started = time.monotonic()
     dest = plan.request.dest
     partial = dest + PARTIAL_SUFFIX
@@ -465,7 +466,7 @@ def _copy_and_verify(
 
         def make_durable() -> None:
             os.fdatasync(dst_fd)
-            # Clean now, so DONTNEED drops them (it only starts writeback of dirty pages).
+            # Clean now, so DONTNEED drops them (on dirty pages it only starts their writeback).
             for chunk in unsynced:
                 os.posix_fadvise(dst_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
             _write_json(
@@ -491,8 +492,8 @@ def _copy_and_verify(
                     "process writes this file; the next run starts the copy afresh",
                 )
             to_hash.put((chunk, buffer))
-            # Starts the writeback of a fresh chunk; drops the read-back pages of a resumed one.
-            os.posix_fadvise(dst_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
+            if not fresh:
+                os.posix_fadvise(dst_fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
             if fresh:
                 unsynced.append(chunk)
                 copied += chunk.length

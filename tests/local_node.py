@@ -4,6 +4,10 @@ run_python gives the script to a fresh `python3 -I -S` (isolated, no site-packag
 standard library is importable, as on a DGX node where nothing of ours is installed.
 stream_lines runs an argv (e.g. sparkdeploy.node_script.python_argv's, itself -I -S) with its
 output merged and read line by line, as Connection.stream_lines does.
+
+Both run with the PATH sshd gives a command on a node, so `python3` is the system's, not a
+developer's shim (pyenv's costs a tenth of a second per launch, which a benchmark would charge
+to the node script).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from sparkdeploy.ssh import CommandResult
 
 WATCH_POLL_S = 0.1
+NODE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
 
 
 class LocalStream:
@@ -25,7 +30,11 @@ class LocalStream:
         self.exit_code: int | None = None
         self.ended: str | None = None
         self._process = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=NODE_ENV,
         )
         self._deadline = time.monotonic() + timeout
         self._idle_timeout = idle_timeout
@@ -77,7 +86,11 @@ class LocalPython:
     ) -> CommandResult:
         argv = ("python3", "-I", "-S", "-", *args)
         completed = subprocess.run(
-            argv, input=source.encode() + (stdin or b""), capture_output=True, timeout=timeout
+            argv,
+            input=source.encode() + (stdin or b""),
+            capture_output=True,
+            timeout=timeout,
+            env=NODE_ENV,
         )
         assert not check or completed.returncode == 0, completed.stderr.decode()
         return CommandResult(argv, completed.returncode, completed.stdout, completed.stderr)
