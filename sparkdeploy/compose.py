@@ -14,8 +14,12 @@ from typing import Any
 
 from sparkdeploy import node_compose, node_hfcache
 from sparkdeploy.errors import ComposeError, RemoteError
-from sparkdeploy.node_script import STDERR_TAIL_CHARS, build_node_script, last_json_line
-from sparkdeploy.staging import PythonRunner
+from sparkdeploy.node_script import (
+    STDERR_TAIL_CHARS,
+    PythonRunner,
+    build_node_script,
+    last_json_line,
+)
 
 # Symlinks and hardlinks only, no data: a minute is a sick node.
 COMPOSE_TIMEOUT_S = 60.0

@@ -45,6 +45,7 @@ from huggingface_hub.file_download import repo_folder_name
 
 from sparkdeploy import blobfetch
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
+from sparkdeploy.units import human_bytes
 
 PUBLIC_HUB = "https://huggingface.co"
 TOKEN_SECRET_BLOCK = "hf-token"
@@ -178,14 +179,6 @@ class _Pending:
     sha: str
     files: list[_HubFile]
     missing_bytes: int
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def storage_dir(cache_dir: Path, repo: str) -> Path:

@@ -20,7 +20,6 @@ from sparkdeploy import engram, node_hfcache, node_staging
 from sparkdeploy.errors import RemoteError, StagingError, TransientRemoteError
 from sparkdeploy.node_script import (
     STDERR_TAIL_CHARS,
-    PythonRunner,  # noqa: F401 (sparkdeploy.compose imports it from here)
     build_node_script,
     python_argv,
 )

@@ -2,48 +2,24 @@
 
 from __future__ import annotations
 
-import re
-from typing import Any
-
-from prefect import Task, task
+from prefect import task
 from prefect.artifacts import create_table_artifact
-from prefect.client.schemas.objects import TaskRun
 from prefect.logging import get_run_logger
-from prefect.states import State
 
 from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.plan import NodePlan
-from sparkdeploy.ssh import SshTarget, connect
+from sparkdeploy.ssh import cached_connection
 from sparkdeploy.staging import EngramShard, StagingResult, stage_engram_shards
-
-GB = 1e9
-
-
-def only_transient_remote(task: Task[Any, Any], task_run: TaskRun, state: State[Any]) -> bool:
-    """Retry a connection reset or timeout; never a missing source, a full disk or a bad copy."""
-    try:
-        state.result()
-    except TransientRemoteError:
-        return True
-    except Exception:
-        return False
-    return False
-
-
-def ssh_target(node: NodePlan) -> SshTarget:
-    return SshTarget(**node.ssh.model_dump())
-
-
-def artifact_key(prefix: str, node: str) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    return f"{prefix}-" + re.sub(r"[^a-z0-9-]+", "-", node.lower()).strip("-")
+from sparkdeploy.targets import node_target
+from sparkdeploy.units import human_bytes
+from tasks.common import artifact_key, retry_only
 
 
 @task(
     name="stage-engram",
     retries=3,
     retry_delay_seconds=[10, 30, 120],
-    retry_condition_fn=only_transient_remote,
+    retry_condition_fn=retry_only(TransientRemoteError),
 )
 def stage_engram_on_node(node: NodePlan, nas_hf_cache: str) -> list[StagingResult]:
     """Every Engram shard of the node's plan copied (or found, or finished) and verified.
@@ -58,11 +34,11 @@ def stage_engram_on_node(node: NodePlan, nas_hf_cache: str) -> list[StagingResul
 
     def log_progress(node_name: str, dest: str, done: int, total: int) -> None:
         logger.info(
-            "node %s: %s: %.2f of %.2f GB copied and verified",
+            "node %s: %s: %s of %s copied and verified",
             node_name,
             dest,
-            done / GB,
-            total / GB,
+            human_bytes(done),
+            human_bytes(total),
         )
 
     for stage in node.engram:
@@ -86,23 +62,22 @@ def stage_engram_on_node(node: NodePlan, nas_hf_cache: str) -> list[StagingResul
         )
         for stage in node.engram
     ]
-    with connect(ssh_target(node)) as connection:
-        results = stage_engram_shards(
-            connection,
-            node.node,
-            nas_hf_cache=nas_hf_cache,
-            shards=shards,
-            on_progress=log_progress,
-        )
+    results = stage_engram_shards(
+        cached_connection(node_target(node)),
+        node.node,
+        nas_hf_cache=nas_hf_cache,
+        shards=shards,
+        on_progress=log_progress,
+    )
     for result in results:
         logger.info(
-            "node %s: %s: %s, share %.2f GB, wrote %.2f GB, allocated %.2f GB, %.1f s",
+            "node %s: %s: %s, share %s, wrote %s, allocated %s, %.1f s",
             node.node,
             result.dest,
             result.status,
-            result.share_bytes / GB,
-            result.copied_bytes / GB,
-            result.allocated_bytes / GB,
+            human_bytes(result.share_bytes),
+            human_bytes(result.copied_bytes),
+            human_bytes(result.allocated_bytes),
             result.seconds,
         )
     create_table_artifact(
@@ -114,9 +89,9 @@ def stage_engram_on_node(node: NodePlan, nas_hf_cache: str) -> list[StagingResul
                 "status": r.status,
                 "ranks": ",".join(map(str, r.ranks)),
                 "tp": r.tp_size,
-                "share_gb": round(r.share_bytes / GB, 3),
-                "written_gb": round(r.copied_bytes / GB, 3),
-                "allocated_gb": round(r.allocated_bytes / GB, 3),
+                "share": human_bytes(r.share_bytes),
+                "written": human_bytes(r.copied_bytes),
+                "allocated": human_bytes(r.allocated_bytes),
                 "seconds": r.seconds,
             }
             for r in results
