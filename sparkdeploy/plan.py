@@ -156,6 +156,18 @@ class Plan(_Data):
     nodes: list[NodePlan]
 
 
+def ssh_spec(cluster: Cluster, node: Node) -> SshSpec:
+    """How to reach an inventory node: its own SSH settings and the cluster's known_hosts."""
+    return SshSpec(
+        host=node.host,
+        port=node.port,
+        user=node.user,
+        identity_file=node.identity_file,
+        known_hosts=cluster.known_hosts,
+        connect_timeout_s=node.connect_timeout_s,
+    )
+
+
 def deployment_id(recipe_id: str, node_names: Sequence[str]) -> str:
     """Readable and stable: the recipe plus a hash of recipe and nodes, in rank order."""
     digest = hashlib.sha256("\0".join([recipe_id, *node_names]).encode()).hexdigest()
@@ -335,14 +347,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
                 node=node.name,
                 rank=rank,
                 role="head" if rank == 0 else "worker",
-                ssh=SshSpec(
-                    host=node.host,
-                    port=node.port,
-                    user=node.user,
-                    identity_file=node.identity_file,
-                    known_hosts=cluster.known_hosts,
-                    connect_timeout_s=node.connect_timeout_s,
-                ),
+                ssh=ssh_spec(cluster, node),
                 fabric_ip=node.fabric_ip,
                 fabric_netdev=node.fabric_netdev,
                 roce_hcas=node.roce_hcas,

@@ -4,7 +4,7 @@ import paramiko: `sparkdeploy validate` stays fast)."""
 from __future__ import annotations
 
 from sparkdeploy.cluster import Cluster
-from sparkdeploy.plan import NodePlan, Plan
+from sparkdeploy.plan import NodePlan, Plan, ssh_spec
 from sparkdeploy.ssh import SshTarget
 
 
@@ -19,14 +19,4 @@ def plan_targets(plan: Plan) -> dict[str, SshTarget]:
 
 def cluster_targets(cluster: Cluster) -> dict[str, SshTarget]:
     """SSH targets of every node of a cluster, in inventory order."""
-    return {
-        node.name: SshTarget(
-            host=node.host,
-            port=node.port,
-            user=node.user,
-            identity_file=node.identity_file,
-            known_hosts=cluster.known_hosts,
-            connect_timeout_s=node.connect_timeout_s,
-        )
-        for node in cluster.nodes
-    }
+    return {node.name: SshTarget(**ssh_spec(cluster, node).model_dump()) for node in cluster.nodes}
