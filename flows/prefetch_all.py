@@ -11,10 +11,13 @@ from tasks.catalog import repos_of_deployable_recipes
 from tasks.prefetch import prefetch_repos
 
 
-@flow(name="prefetch-all", flow_run_name="prefetch-all into {cluster}")
-def prefetch_all(cluster: str = "lab") -> list[RepoOutcome]:
-    """Scheduled nightly: tomorrow's deploys then find their weights complete on the NAS."""
+@flow(name="prefetch-all", flow_run_name="prefetch-all {recipes} into {cluster}")
+def prefetch_all(cluster: str = "lab", recipes: str = "*") -> list[RepoOutcome]:
+    """Scheduled nightly: tomorrow's deploys then find their weights complete on the NAS.
+
+    `recipes` is a glob on recipe names (e.g. "lab-*" for the lab, whose hub holds only the
+    lab's models)."""
     inventory = load_cluster(find_cluster(cluster))
     return prefetch_repos(
-        repos_of_deployable_recipes(), inventory.nas.hf_cache, inventory.hub.endpoint
+        repos_of_deployable_recipes(recipes), inventory.nas.hf_cache, inventory.hub.endpoint
     )

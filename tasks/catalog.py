@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 from prefect import task
 from prefect.logging import get_run_logger
 
@@ -10,11 +12,14 @@ from sparkdeploy.recipe import RepoRef, load_all_recipes
 
 
 @task(name="recipe-repos")
-def repos_of_deployable_recipes() -> list[RepoRef]:
-    """Every repo named by a recipe that is not blocked, each once, in recipe order."""
+def repos_of_deployable_recipes(pattern: str = "*") -> list[RepoRef]:
+    """Every repo named by a recipe matching `pattern` (a glob on recipe names) that is not
+    blocked, each once, in recipe order."""
     logger = get_run_logger()
     repos: list[RepoRef] = []
     for name, recipe in load_all_recipes(project_root() / "recipes").items():
+        if not fnmatch.fnmatchcase(name, pattern):
+            continue
         if recipe.blocked_reason is not None:
             logger.info("skipping blocked recipe %s: %s", name, recipe.blocked_reason)
             continue

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from flows.deploy import deploy
+from flows.prefetch_all import prefetch_all
+from flows.smoke import smoke
 from flows.status import status
 from flows.teardown import teardown
 from lab.cluster import Lab
@@ -188,8 +190,18 @@ def test_overlapping_deployments_never_both_run(cluster: str, tmp_path: Path) ->
         [running] = cluster_status(load_cluster(Path(cluster)))
         assert running.deployment_id == first.deployment_id and running.healthy
         assert status(cluster=cluster)[0].deployment_id == first.deployment_id
+        [report] = smoke(cluster=cluster)
+        assert report.passed and report.served_model_name == "tiny-chat"
     finally:
         teardown("lab-single", cluster=cluster)
     # Idempotent: a second teardown finds nothing and succeeds.
     assert teardown("lab-single", cluster=cluster).removed == []
     nothing_runs(cluster)
+
+
+def test_prefetch_all_fetches_every_deployable_lab_recipe_once(cluster: str) -> None:
+    outcomes = prefetch_all(cluster=cluster, recipes="lab-*")
+    assert sorted(outcome.repo for outcome in outcomes) == ["lab/tiny-chat", "lab/tiny-dsv41"]
+    assert all(
+        outcome.fetched_bytes == 0 for outcome in prefetch_all(cluster=cluster, recipes="lab-*")
+    )
