@@ -1,25 +1,27 @@
 """Start a plan's containers on its nodes: stale ones out, preflight, RDMA facts, then run.
 
 `boot(plan)` in order:
-1. our stale containers on these nodes go (any container labelled sparkdeploy.deployment: the
-   node lock says no live deployment of ours is there, and FACTS.md says a worker that meets an
-   old head hangs). Their logs are saved like teardown saves them. Others' containers are never
-   touched.
-2. preflight on every node at once (sparkdeploy.node_probe, one round trip each): docker up,
+1. preflight on every node at once (sparkdeploy.node_probe, one round trip each): docker up,
    the image present with one ID on all nodes, the mount sources (composed dir, NAS cache)
    present, GPUs visible when the plan asks for GPUs, enough MemAvailable; optionally the page
-   cache dropped first. Every node's problems are reported together.
+   cache dropped first. The same round trip lists our stale containers there (any container
+   labelled sparkdeploy.deployment: the node lock says no live deployment of ours is there, and
+   FACTS.md says a worker that meets an old head hangs).
+2. where there are stale containers, they go (their logs saved like teardown saves them;
+   others' containers are never touched), and those nodes are probed again, since the memory
+   the stale ones held is free now. Every node's problems are then reported together.
 3. "auto" HCAs / GID index resolved from the node's sysfs (unset, and logged, without RDMA).
-4. containers started: mp = the head, then the workers (--headless) in parallel; Ray = the head,
-   then the workers, then `vllm serve` exec'd in the head with its output on the container's
-   log, where the readiness gate reads it.
+4. containers started, once every old one is gone: mp = the head and the workers (--headless)
+   all at once (a headless worker retries its connection to the head until the head listens);
+   Ray = the head, then the workers, then `vllm serve` exec'd in the head with its output on the
+   container's log, where the readiness gate reads it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,14 +151,10 @@ def _node_problems(
     return problems
 
 
-def preflight(
-    plan: Plan,
-    *,
-    drop_page_cache: bool = False,
-    min_memory_bytes: int = DEFAULT_MIN_MEMORY_BYTES,
-    log: Log = _LOG.info,
-) -> dict[str, NodeCheck]:
-    """Every node checked at once; BootError listing every node's problems, else the facts."""
+def _probe_nodes(
+    plan: Plan, names: Sequence[str], *, drop_page_cache: bool
+) -> dict[str, dict[str, Any]]:
+    """node_probe's preflight answer from each of `names`, all at once."""
     by_name = {node.node: node for node in plan.nodes}
     targets = plan_targets(plan)
 
@@ -169,10 +167,23 @@ def preflight(
             "fabric_ip": node.fabric_ip,
             "detect_rdma": node.roce_hcas == "auto" or node.gid_index == "auto",
             "drop_page_cache": drop_page_cache,
+            "stale_label": DEPLOYMENT_LABEL,
         }
         return probe(runner, name, "preflight", request)
 
-    answers = on_nodes(targets, check)
+    return on_nodes({name: targets[name] for name in names}, check)
+
+
+def _judge(
+    plan: Plan,
+    answers: Mapping[str, dict[str, Any]],
+    *,
+    drop_page_cache: bool,
+    min_memory_bytes: int,
+    log: Log,
+) -> dict[str, NodeCheck]:
+    """BootError listing every node's problems, else each node's facts (logged)."""
+    by_name = {node.node: node for node in plan.nodes}
     problems = []
     checks = {}
     for name, answer in answers.items():
@@ -217,10 +228,12 @@ def preflight(
     return checks
 
 
-def stop_stale(plan: Plan, *, log: Log = _LOG.info) -> list[RemovedContainer]:
-    """Every sparkdeploy container on the plan's nodes removed, its log saved in runs_dir."""
+def stop_stale(plan: Plan, nodes: Sequence[str], *, log: Log = _LOG.info) -> list[RemovedContainer]:
+    """Every sparkdeploy container on these nodes of the plan removed, its log saved in
+    runs_dir."""
+    targets = plan_targets(plan)
     removed = remove_labelled(
-        plan_targets(plan),
+        {name: targets[name] for name in nodes},
         DEPLOYMENT_LABEL,
         plan.runs_dir,
         stop_timeout_s=STALE_STOP_TIMEOUT_S,
@@ -269,11 +282,16 @@ def start_containers(
         )
 
     head_runner = cached_connection(targets[head.node])
-    booted = [start(head, head_runner)]
-    by_name = {node.node: node for node in workers}
-    worker_targets = {node.node: targets[node.node] for node in workers}
-    started = on_nodes(worker_targets, lambda runner, name: start(by_name[name], runner))
-    booted += [started[node.node] for node in workers]
+    by_name = {node.node: node for node in plan.nodes}
+    if head.serve_exec:
+        # Ray workers join the head's GCS, so the head goes first.
+        booted = [start(head, head_runner)]
+        together = {node.node: targets[node.node] for node in workers}
+    else:
+        booted = []
+        together = {node.node: targets[node.node] for node in plan.nodes}
+    started = on_nodes(together, lambda runner, name: start(by_name[name], runner))
+    booted += [started[name] for name in together]
     if head.serve_exec:
         checked(
             head.node,
@@ -304,13 +322,24 @@ def boot(
     min_memory_bytes: int = DEFAULT_MIN_MEMORY_BYTES,
     log: Log = _LOG.info,
 ) -> BootResult:
-    """Stale containers out, preflight, then the plan's containers started (module docstring).
+    """Preflight with stale containers out, then the plan's containers started (module
+    docstring).
 
     The caller holds the plan's node locks (sparkdeploy.locks) for the deployment's life.
     """
-    stale = stop_stale(plan, log=log)
-    checks = preflight(
-        plan, drop_page_cache=drop_page_cache, min_memory_bytes=min_memory_bytes, log=log
+    names = [node.node for node in plan.nodes]
+    answers = _probe_nodes(plan, names, drop_page_cache=drop_page_cache)
+    stale_nodes = [name for name in names if answers[name]["stale_containers"]]
+    stale: list[RemovedContainer] = []
+    if stale_nodes:
+        stale = stop_stale(plan, stale_nodes, log=log)
+        answers.update(_probe_nodes(plan, stale_nodes, drop_page_cache=drop_page_cache))
+    checks = _judge(
+        plan,
+        answers,
+        drop_page_cache=drop_page_cache,
+        min_memory_bytes=min_memory_bytes,
+        log=log,
     )
     started_at = time.time()
     booted = start_containers(plan, checks, log=log)

@@ -4,8 +4,9 @@ Standard library only: sparkdeploy.node_script ships this module to the node, wh
 runs `main([mode, request_json])`; the last stdout line is the JSON answer. Modes:
 
 - `image`: {"image"} -> the image's id/size/labels (or null), docker's root dir and its free bytes.
-- `preflight`: {"image", "paths", "gpus", "fabric_ip", "detect_rdma", "drop_page_cache"} -> the
-  above plus missing paths, MemAvailable, GPU count, RDMA facts and whether the cache was dropped.
+- `preflight`: {"image", "paths", "gpus", "fabric_ip", "detect_rdma", "drop_page_cache",
+  "stale_label"} -> the above plus missing paths, MemAvailable, GPU count, RDMA facts, whether the
+  cache was dropped, and the IDs of the containers labelled `stale_label` (running or not).
 
 RDMA facts follow FACTS.md: an HCA is used when a port is ACTIVE on an Ethernet link layer (RoCE);
 NCCL_IB_GID_INDEX is the index of a RoCE v2 GID holding an IPv4-mapped address, preferably the
@@ -162,9 +163,18 @@ def drop_page_cache() -> None:
         control.write("3\n")
 
 
+def labelled_containers(label: str) -> list[str]:
+    """IDs of every container (running or not) labelled `label`; [] when docker does not answer
+    (docker_facts reports that)."""
+    code, out, _ = _docker(["ps", "-a", "-q", "--no-trunc", "--filter", f"label={label}"])
+    return out.split() if code == 0 else []
+
+
 def preflight(request: dict[str, Any]) -> dict[str, Any]:
     answer: dict[str, Any] = {"docker": docker_facts()}
-    answer["image"] = None if "error" in answer["docker"] else image_facts(request["image"])
+    docker_up = "error" not in answer["docker"]
+    answer["image"] = image_facts(request["image"]) if docker_up else None
+    answer["stale_containers"] = labelled_containers(request["stale_label"]) if docker_up else []
     answer["missing_paths"] = [path for path in request["paths"] if not os.path.exists(path)]
     answer["page_cache_dropped"] = False
     if request["drop_page_cache"]:
