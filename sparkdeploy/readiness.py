@@ -136,8 +136,13 @@ def wait_until_ready(
     def attach(node: NodePlan) -> _Follower:
         try:
             follower = _Follower(node, connection_for(node_target(node)), stop)
-            follower.check_container()
+            # Following first: the check's round trip overlaps the log's first lines.
             follower.start(events, timeout)
+            try:
+                follower.check_container()
+            except BaseException:
+                follower.close()
+                raise
         except RemoteError as error:
             raise type(error)(
                 f"node {node.node}: following its container's log: {error}"
