@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from prefect import flow, tags
+from prefect import flow
 from prefect.futures import PrefectFuture
 
 from sparkdeploy.summary import DeploySummary, StepClock
@@ -52,42 +52,42 @@ def deploy(
     with clock.step("plan"):
         plan = plan_deployment(recipe, cluster, nodes, allow_blocked=allow_blocked)
     label_flow_run(plan)
-    with tags(f"recipe:{plan.recipe}", f"cluster:{plan.cluster}"):
-        if "prefetch" not in skipped:
-            with clock.step("prefetch"):
-                prefetch_repos(plan.repos, plan.nas_hf_cache, plan.hub_endpoint)
-        with clock.step("stage, image, compose"):
-            futures: list[PrefectFuture[Any]] = []
-            if "image" not in skipped:
-                futures.append(ensure_images.submit(plan))
-            for node in plan.nodes:
-                staged = (
-                    []
-                    if "stage" in skipped
-                    else [stage_engram_on_node.submit(node, plan.nas_hf_cache)]
-                )
-                if "compose" in skipped:
-                    futures += staged
-                else:
-                    futures.append(
-                        compose_model_on_node.submit(
-                            node, plan.nas_hf_cache, wait_for=staged, return_state=False
-                        )
+    # The run's tags (recipe, cluster, nodes) are on the flow run (label_flow_run), not on each
+    # task run: a tagged task run asks Prefect for its tag concurrency slots before it starts,
+    # which stalled warm deploys for seconds.
+    if "prefetch" not in skipped:
+        with clock.step("prefetch"):
+            prefetch_repos(plan.repos, plan.nas_hf_cache, plan.hub_endpoint)
+    with clock.step("stage, image, compose"):
+        futures: list[PrefectFuture[Any]] = []
+        if "image" not in skipped:
+            futures.append(ensure_images.submit(plan))
+        for node in plan.nodes:
+            staged = (
+                [] if "stage" in skipped else [stage_engram_on_node.submit(node, plan.nas_hf_cache)]
+            )
+            if "compose" in skipped:
+                futures += staged
+            else:
+                futures.append(
+                    compose_model_on_node.submit(
+                        node, plan.nas_hf_cache, wait_for=staged, return_state=False
                     )
-            for future in futures:
-                future.result()
-        with clock.step("boot"):
-            boot_deployment(plan, lock_timeout_s=lock_timeout_s)
-        try:
-            with clock.step("readiness"):
-                gate = readiness_gate(plan)
-            if "smoke" not in skipped:
-                with clock.step("smoke"):
-                    smoke_test(plan)
-        except BaseException:
-            if not keep_on_failure:
-                teardown_deployment(plan.deployment_id, plan.cluster)
-            raise
+                )
+        for future in futures:
+            future.result()
+    with clock.step("boot"):
+        boot_deployment(plan, lock_timeout_s=lock_timeout_s)
+    try:
+        with clock.step("readiness"):
+            gate = readiness_gate(plan)
+        if "smoke" not in skipped:
+            with clock.step("smoke"):
+                smoke_test(plan)
+    except BaseException:
+        if not keep_on_failure:
+            teardown_deployment(plan.deployment_id, plan.cluster)
+        raise
     summary = DeploySummary.of(plan, clock.durations(), ready_after_s=gate.ready_after_s)
     publish_summary(summary)
     return summary
