@@ -226,7 +226,15 @@ class Lab:
         known_hosts = []
         for node in self.nodes:
             node_dir = layout.node_dir(node)
-            for sub in ("run/sshd", "tmp", "var-upper", "var-work", "docker", "etc-docker"):
+            for sub in (
+                "run/sshd",
+                "tmp",
+                "var-upper",
+                "var-work",
+                "docker",
+                "etc-docker",
+                "home-root",
+            ):
                 (node_dir / sub).mkdir(parents=True, exist_ok=True)
             (node_dir / "tmp").chmod(0o1777)
             (node_dir / "var-upper" / "tmp").symlink_to("/tmp")

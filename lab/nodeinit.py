@@ -40,7 +40,9 @@ def remount_sysfs_for_this_netns(node_dir: Path) -> None:
 
 
 def mount_private_dirs(node_dir: Path) -> None:
-    """Give the node its own /run, /tmp, /var (tmp, lib/docker, log ...) and /etc config dirs.
+    """Give the node its own /run, /tmp, /var (tmp, lib/docker, log ...), /etc config dirs and
+    root's home (a node's ~ is its own, and the host's shell profile does not run in every SSH
+    command).
 
     /var is an overlay of the host's /var whose upper layer has `tmp -> /tmp`: /tmp and /var/tmp
     are then one mount, so link() between them works as on a real node (two bind mounts would
@@ -58,6 +60,7 @@ def mount_private_dirs(node_dir: Path) -> None:
     mount("--bind", str(node_dir / "etc-ssh"), "/etc/ssh")
     mount("--bind", str(node_dir / "etc-docker"), "/etc/docker")
     mount("--bind", str(node_dir / "hosts"), "/etc/hosts")
+    mount("--bind", str(node_dir / "home-root"), "/root")
 
 
 def start_dockerd(node_dir: Path) -> None:
