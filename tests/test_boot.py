@@ -4,6 +4,7 @@ teardown, on the lab."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,18 @@ def _inspect(lab: Lab, node: str, container: str) -> dict[str, Any]:
     return inspected
 
 
+def _wait_for_log(lab: Lab, node: str, container: str, timeout_s: float = 60) -> None:
+    """Until the container has printed something (a boot returns before the engine logs)."""
+    deadline = time.monotonic() + timeout_s
+    connection = cached_connection(lab.ssh_target(node))
+    while True:
+        logged = connection.run(["docker", "logs", container], timeout=60)
+        if logged.stdout.strip() or logged.stderr.strip():
+            return
+        assert time.monotonic() < deadline, f"{container} printed nothing in {timeout_s} s"
+        time.sleep(0.2)
+
+
 @pytest.mark.lab
 def test_boot_then_teardown_removes_exactly_ours(lab_cluster: Lab, lab_engine_image: str) -> None:
     plan = _lab_plan(lab_cluster, lab_engine_image)
@@ -180,6 +193,7 @@ def test_boot_then_teardown_removes_exactly_ours(lab_cluster: Lab, lab_engine_im
         assert {c.node for c in again.stale_removed} == {"node1", "node2", "node3"}
         assert again.container_ids != result.container_ids
 
+        _wait_for_log(lab_cluster, "node1", plan.nodes[0].container.name)
         report = teardown(plan.deployment_id, lab_cluster.ssh_targets(), plan.runs_dir)
         assert sorted(c.node for c in report.removed) == ["node1", "node2", "node3"]
         for container in report.removed:
