@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from readiness_lab import Deployment, cache_tiny_model
 
 from lab.cluster import REQUIRED_TOOLS, Lab
 from sparkdeploy import ssh
@@ -76,3 +77,14 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
     with temporary_settings({PREFECT_HOME: home}), prefect_test_harness(server_startup_timeout=120):
         yield home
+
+
+@pytest.fixture
+def deployments(lab_cluster: Lab, lab_engine_image: str) -> Iterator[list[Deployment]]:
+    """Engine containers a test starts (readiness_lab.Deployment); all removed afterwards."""
+    cache_tiny_model(lab_cluster)
+    started: list[Deployment] = []
+    yield started
+    for deployment in started:
+        deployment.remove()
+    assert not [name for d in started for name in d.remaining()]

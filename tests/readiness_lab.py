@@ -67,12 +67,6 @@ STANDIN_TOKEN_DELAY_S = "0"
     return make_plan(load_recipe(recipe_dir / "recipe.toml"), load_cluster(lab.inventory_path))
 
 
-def lab_run_argv(node: NodePlan) -> list[str]:
-    """The plan's `docker run` argv without its ulimits: a lab node (a namespace, not a VM)
-    may not raise memlock."""
-    return node.container.model_copy(update={"ulimits": {}}).docker_run_argv()
-
-
 @dataclass
 class Deployment:
     plan: Plan
@@ -81,7 +75,8 @@ class Deployment:
         """Every container started at once (workers retry their rendezvous with the head)."""
 
         def start_container(connection: Connection) -> None:
-            connection.run(lab_run_argv(self._node_of(connection.target)), timeout=DOCKER_S)
+            node = self._node_of(connection.target)
+            connection.run(node.container.docker_run_argv(), timeout=DOCKER_S)
 
         on_all(self._targets(), start_container)
 

@@ -83,23 +83,8 @@ def _lab_plan(lab: Lab, image: str, env: dict[str, str] | None = None) -> Plan:
         args=["--served-model-name", "boot-test", "--max-model-len", "4096"],
         env={"HF_HUB_OFFLINE": "1", **(env or {})},
     )
-    plan = make_plan(recipe, load_cluster(lab.inventory_path))
-    # The lab runs inside a sandbox whose hard RLIMIT_MEMLOCK cannot be raised.
-    nodes = [
-        node.model_copy(
-            update={
-                "container": node.container.model_copy(
-                    update={
-                        "ulimits": {
-                            k: v for k, v in node.container.ulimits.items() if k != "memlock"
-                        }
-                    }
-                )
-            }
-        )
-        for node in plan.nodes
-    ]
-    return plan.model_copy(update={"nodes": nodes})
+    # The lab inventory's [docker] ulimits leave out memlock, which its sandbox cannot raise.
+    return make_plan(recipe, load_cluster(lab.inventory_path))
 
 
 def test_preflight_problems_name_the_fix() -> None:

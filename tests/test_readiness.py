@@ -7,11 +7,10 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from readiness_lab import Deployment, cache_tiny_model, lab_plan
+from readiness_lab import Deployment, lab_plan
 
 from lab.cluster import Lab
 from sparkdeploy.errors import BootFailed
@@ -72,19 +71,6 @@ def test_stream_lines_ends_at_its_timeout_and_when_idle(node1: Connection) -> No
 
 
 # -- readiness of stand-in containers ----------------------------------------------------------
-
-
-@pytest.fixture
-def deployments(
-    lab_cluster: Lab, lab_engine_image: str, tmp_path: Path
-) -> Iterator[list[Deployment]]:
-    """Deployments a test starts; all their containers are removed afterwards."""
-    cache_tiny_model(lab_cluster)
-    started: list[Deployment] = []
-    yield started
-    for deployment in started:
-        deployment.remove()
-    assert not [name for d in started for name in d.remaining()]
 
 
 def deploy(

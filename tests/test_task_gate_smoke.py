@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-from readiness_lab import Deployment, cache_tiny_model, lab_plan
+from readiness_lab import Deployment, lab_plan
 
 from lab.cluster import Lab
 from sparkdeploy.errors import BootFailed, SmokeFailed
@@ -43,16 +42,6 @@ SMOKE_OPTIONS = '[smoke]\nchat_template_kwargs = { reasoning_effort = "low" }\nm
 def gate_then_smoke(plan: Plan) -> tuple[GateResult, SmokeReport]:
     result = readiness_gate(plan, timeout_s=BOOT_S)
     return result, smoke_test(plan, request_timeout_s=10.0)
-
-
-@pytest.fixture
-def deployments(lab_cluster: Lab, lab_engine_image: str) -> Iterator[list[Deployment]]:
-    cache_tiny_model(lab_cluster)
-    started: list[Deployment] = []
-    yield started
-    for deployment in started:
-        deployment.remove()
-    assert not [name for d in started for name in d.remaining()]
 
 
 def deploy(
