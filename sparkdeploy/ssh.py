@@ -10,6 +10,7 @@ here, with backoff, and nowhere else; they surface as TransientRemoteError when 
 from __future__ import annotations
 
 import atexit
+import select
 import shlex
 import threading
 import time
@@ -116,29 +117,48 @@ class Connection:
         deadline = time.monotonic() + timeout
         channel.settimeout(timeout)
         channel.exec_command(command)
-        if stdin:
-            channel.sendall(stdin)
-        channel.shutdown_write()
+        # stdin is fed as the window allows while the output is read: sending it all first
+        # deadlocks once the command's output fills the window before its input is consumed.
+        stdin = stdin or b""
+        stdin_sent = 0
+        if not stdin:
+            channel.shutdown_write()
         stdout, stderr = bytearray(), bytearray()
-        channel.settimeout(0.2)
         while True:
+            # The output is complete at EOF, not at the exit status: sshd may send the status
+            # while output is still queued behind the window. EOF is read before draining, so
+            # every byte that came before it is in the buffers being drained.
+            at_eof = channel.eof_received
             progressed = False
-            if channel.recv_ready():
+            while channel.recv_ready():
                 stdout += channel.recv(_READ_CHUNK)
                 progressed = True
-            if channel.recv_stderr_ready():
+            while channel.recv_stderr_ready():
                 stderr += channel.recv_stderr(_READ_CHUNK)
                 progressed = True
-            drained = not channel.recv_ready() and not channel.recv_stderr_ready()
-            if channel.exit_status_ready() and drained:
+            if at_eof:
                 break
-            if time.monotonic() > deadline:
+            stdin_pending = stdin_sent < len(stdin)
+            if stdin_pending and channel.send_ready():
+                stdin_sent += channel.send(stdin[stdin_sent : stdin_sent + _READ_CHUNK])
+                if stdin_sent == len(stdin):
+                    channel.shutdown_write()
+                progressed = True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise RemoteError(
                     f"{self.target}: `{command}` did not finish within {timeout} s"
                     f" (stderr so far: {_tail(stderr)})"
                 )
             if not progressed:
-                channel.status_event.wait(0.05)
+                # The channel's fileno turns readable on output or EOF; while stdin is pending,
+                # wake up soon to see whether the window has room for more of it.
+                select.select([channel], [], [], min(remaining, 0.02 if stdin_pending else 1.0))
+        if not channel.status_event.wait(EXIT_STATUS_WAIT_S):
+            raise RemoteError(
+                f"{self.target}: `{command}` closed its output but sent no exit status within"
+                f" {EXIT_STATUS_WAIT_S} s (stderr: {_tail(stderr)})"
+            )
         result = CommandResult(argv, channel.recv_exit_status(), bytes(stdout), bytes(stderr))
         if check and result.exit_code != 0:
             raise RemoteError(
