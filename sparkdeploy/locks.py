@@ -10,6 +10,7 @@ per node (`node-lock-...`, visible in the UI) so a waiting deploy can name the h
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
@@ -27,6 +28,7 @@ from prefect.client.schemas.actions import (
     VariableCreate,
     VariableUpdate,
 )
+from prefect.client.schemas.objects import Variable
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from sparkdeploy.errors import NodeLockError
@@ -34,6 +36,8 @@ from sparkdeploy.errors import NodeLockError
 DEFAULT_TIMEOUT_S = 600.0
 POLL_S = 1.0
 _HTTP_LOCKED = 423
+# Prefect refuses to release slots held for 0 s.
+_MIN_OCCUPANCY_S = 0.001
 
 _LOG = logging.getLogger(__name__)
 
@@ -65,27 +69,58 @@ def _current_flow_run_id() -> str | None:
     return str(run_id) if run_id else None
 
 
-def _ensure_limit(client: SyncPrefectClient, name: str) -> None:
-    try:
-        client.read_global_concurrency_limit_by_name(name)
-    except ObjectNotFound:
+def _take_slots(client: SyncPrefectClient, cluster: str, nodes: Sequence[str]) -> bool:
+    """One slot of every node's limit, all or none, creating the limits that do not exist yet;
+    False when one of them is full."""
+    names = [limit_name(cluster, node) for node in nodes]
+    for _ in range(2):
         try:
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-        except ObjectAlreadyExists:
-            return  # another deploy created it a moment ago
+            response = client.increment_concurrency_slots(names=names, slots=1, mode="concurrency")
+        except httpx.HTTPStatusError as error:
+            if error.response.status_code != _HTTP_LOCKED:
+                raise
+            return False
+        # The server skips names without a limit and takes the slots of the others.
+        taken = {str(limit["name"]) for limit in response.json()}
+        missing = [name for name in names if name not in taken]
+        if not missing:
+            return True
+        if taken:
+            client.release_concurrency_slots(
+                names=sorted(taken), slots=1, occupancy_seconds=_MIN_OCCUPANCY_S
+            )
+        for name in missing:
+            # ObjectAlreadyExists: another deploy created it a moment ago.
+            with contextlib.suppress(ObjectAlreadyExists):
+                client.create_global_concurrency_limit(
+                    GlobalConcurrencyLimitCreate(name=name, limit=1)
+                )
+    raise NodeLockError(f"the node limits {', '.join(names)} vanish as soon as they are created")
 
 
-def _read_holder(client: SyncPrefectClient, cluster: str, node: str) -> NodeHolder | None:
-    variable = client.read_variable_by_name(holder_variable(cluster, node))
-    if variable is None or not isinstance(variable.value, dict):
-        return None
-    value: dict[str, Any] = variable.value
-    return NodeHolder(
-        node=node,
-        deployment_id=str(value.get("deployment_id")),
-        since=str(value.get("since")),
-        flow_run_id=value.get("flow_run_id"),
+def _read_holders(
+    client: SyncPrefectClient, cluster: str, nodes: Sequence[str]
+) -> dict[str, NodeHolder | None]:
+    """Every node's holder record, in one request."""
+    by_variable = {holder_variable(cluster, node): node for node in nodes}
+    response = client.request(
+        "POST",
+        "/variables/filter",
+        json={"variables": {"name": {"any_": list(by_variable)}}, "limit": len(by_variable)},
     )
+    found: dict[str, NodeHolder | None] = dict.fromkeys(nodes)
+    for variable in Variable.model_validate_list(response.json()):
+        node = by_variable.get(variable.name)
+        if node is None or not isinstance(variable.value, dict):
+            continue
+        value: dict[str, Any] = variable.value
+        found[node] = NodeHolder(
+            node=node,
+            deployment_id=str(value.get("deployment_id")),
+            since=str(value.get("since")),
+            flow_run_id=value.get("flow_run_id"),
+        )
+    return found
 
 
 def _write_holder(client: SyncPrefectClient, cluster: str, holder: NodeHolder) -> None:
@@ -96,28 +131,29 @@ def _write_holder(client: SyncPrefectClient, cluster: str, holder: NodeHolder) -
         "flow_run_id": holder.flow_run_id,
     }
     tags = ["sparkdeploy", "node-lock"]
-    if client.read_variable_by_name(name) is None:
-        try:
-            client.create_variable(VariableCreate(name=name, value=value, tags=tags))
-            return
-        except ObjectAlreadyExists:
-            pass
-    client.update_variable(VariableUpdate(name=name, value=value, tags=tags))
+    try:
+        client.create_variable(VariableCreate(name=name, value=value, tags=tags))
+    except ObjectAlreadyExists:
+        client.update_variable(VariableUpdate(name=name, value=value, tags=tags))
 
 
 def holders(cluster: str, nodes: Sequence[str]) -> dict[str, NodeHolder | None]:
     """Who holds each node (None: free, or taken by a deploy that has not recorded itself)."""
     with get_client(sync_client=True) as client:
-        return {node: _read_holder(client, cluster, node) for node in nodes}
+        return _read_holders(client, cluster, nodes)
 
 
 def _describe_blockers(client: SyncPrefectClient, cluster: str, nodes: Sequence[str]) -> str:
     described = []
+    current = _read_holders(client, cluster, nodes)
     for node in nodes:
-        limit = client.read_global_concurrency_limit_by_name(limit_name(cluster, node))
+        try:
+            limit = client.read_global_concurrency_limit_by_name(limit_name(cluster, node))
+        except ObjectNotFound:
+            continue  # never taken: the attempt that failed took no slot anywhere
         if limit.active_slots < limit.limit:
             continue
-        holder = _read_holder(client, cluster, node)
+        holder = current[node]
         if holder is None:
             described.append(
                 f"{node} is held by an unrecorded holder (a deploy taking it right now, or one"
@@ -176,10 +212,8 @@ def acquire_nodes(
     waited_for: str | None = None
     flow_run_id = _current_flow_run_id()
     with get_client(sync_client=True) as client:
-        for node in nodes:
-            _ensure_limit(client, limit_name(cluster, node))
         while True:
-            current = {node: _read_holder(client, cluster, node) for node in nodes}
+            current = _read_holders(client, cluster, nodes)
             kept = [
                 node
                 for node, holder in current.items()
@@ -191,17 +225,8 @@ def acquire_nodes(
                 for node in wanted
                 if (holder := current[node]) is not None and holder.deployment_id == deployment_id
             ]
-            if wanted and not blocked:
-                try:
-                    client.increment_concurrency_slots(
-                        names=[limit_name(cluster, node) for node in wanted],
-                        slots=1,
-                        mode="concurrency",
-                    )
-                except httpx.HTTPStatusError as error:
-                    if error.response.status_code != _HTTP_LOCKED:
-                        raise
-                    blocked = wanted
+            if wanted and not blocked and not _take_slots(client, cluster, wanted):
+                blocked = wanted
             if blocked:
                 blockers = _describe_blockers(client, cluster, blocked)
                 if time.monotonic() >= deadline:
@@ -249,25 +274,27 @@ def release_nodes(
     """
     released = []
     with get_client(sync_client=True) as client:
-        for node in nodes:
-            holder = _read_holder(client, cluster, node)
+        held_since: dict[str, list[str]] = {}
+        for node, holder in _read_holders(client, cluster, nodes).items():
             if holder is None or holder.deployment_id != deployment_id:
                 continue
             client.delete_variable_by_name(holder_variable(cluster, node))
-            client.release_concurrency_slots(
-                names=[limit_name(cluster, node)],
-                slots=1,
-                occupancy_seconds=_held_seconds(holder),
-            )
+            held_since.setdefault(holder.since, []).append(node)
             released.append(node)
+        for since, held in held_since.items():
+            client.release_concurrency_slots(
+                names=[limit_name(cluster, node) for node in held],
+                slots=1,
+                occupancy_seconds=_held_seconds(since),
+            )
     if released:
         log(f"deployment {deployment_id} released {', '.join(released)} of cluster {cluster}")
     return released
 
 
-def _held_seconds(holder: NodeHolder) -> float:
+def _held_seconds(since_iso: str) -> float:
     try:
-        since = datetime.fromisoformat(holder.since)
+        since = datetime.fromisoformat(since_iso)
     except ValueError:
-        return 0.0
-    return max(0.0, (datetime.now(UTC) - since).total_seconds())
+        return _MIN_OCCUPANCY_S
+    return max(_MIN_OCCUPANCY_S, (datetime.now(UTC) - since).total_seconds())

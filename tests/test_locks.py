@@ -117,3 +117,17 @@ def test_a_live_run_of_the_same_deployment_is_waited_for_an_ended_one_taken_over
     holder = holders("same", ["n1"])["n1"]
     assert holder is not None and holder.flow_run_id == third
     assert release_nodes("same", ["n1"], "dep-same") == ["n1"]
+
+
+def test_limits_are_created_for_new_nodes_beside_existing_ones(prefect_harness: Path) -> None:
+    assert acquire_nodes("grow", ["n1"], "dep-g", timeout_s=5) == ["n1"]
+    release_nodes("grow", ["n1"], "dep-g")
+    # n1's limit exists, n2's not yet: both are taken, and n1 only once.
+    assert acquire_nodes("grow", ["n1", "n2"], "dep-h", timeout_s=5) == ["n1", "n2"]
+    with get_client(sync_client=True) as client:
+        for node in ("n1", "n2"):
+            limit = client.read_global_concurrency_limit_by_name(f"node:grow:{node}")
+            assert (limit.limit, limit.active_slots) == (1, 1), node
+    assert release_nodes("grow", ["n1", "n2"], "dep-h") == ["n1", "n2"]
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name("node:grow:n2").active_slots == 0
