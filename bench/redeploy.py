@@ -17,13 +17,16 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from lab.cluster import Lab
-from lab.image import build_engine_image
-from lab.models import publish_lab_models
-from lab.prefect_local import PROJECT_ROOT, PrefectServer, free_port
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:1] = [str(REPO_ROOT)]
+
+from bench.cpu import measured  # noqa: E402
+from lab.cluster import Lab  # noqa: E402
+from lab.image import build_engine_image  # noqa: E402
+from lab.models import publish_lab_models  # noqa: E402
+from lab.prefect_local import PROJECT_ROOT, PrefectServer, free_port  # noqa: E402
 
 RECIPE = PROJECT_ROOT / "recipes" / "lab-dsv41-3x" / "recipe.toml"
 
@@ -54,15 +57,17 @@ def measure(nodes: int, rounds: int, workdir: Path) -> list[float]:
         teardown(recipe, cluster=cluster)
         overheads = []
         for round_number in range(1, rounds + 1):
-            started = time.monotonic()
-            summary = deploy(recipe, cluster=cluster)
-            wall = time.monotonic() - started
+            with measured() as usage:
+                summary = deploy(recipe, cluster=cluster)
+            wall = usage.wall_s
             engine = summary.ready_after_s or 0.0
             overheads.append(wall - engine)
             steps = ", ".join(f"{k} {v:.1f}" for k, v in summary.step_seconds.items())
             print(
                 f"  {nodes} nodes, warm round {round_number}: wall {wall:.2f} s, engine ready"
-                f" {engine:.2f} s, overhead {wall - engine:.2f} s ({steps})",
+                f" {engine:.2f} s, overhead {wall - engine:.2f} s ({steps});"
+                f" CPU {usage.busy_s:.2f} s, {usage.cores_busy:.2f} of {os.cpu_count()} cores"
+                f" busy ({usage.top(5)})",
                 flush=True,
             )
             teardown(recipe, cluster=cluster)

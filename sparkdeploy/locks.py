@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import random
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 from uuid import UUID
 
 import httpx
@@ -30,16 +31,23 @@ from prefect.client.schemas.actions import (
 )
 from prefect.client.schemas.objects import Variable
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from sparkdeploy.errors import NodeLockError
 
 DEFAULT_TIMEOUT_S = 600.0
 POLL_S = 1.0
 _HTTP_LOCKED = 423
+_HTTP_BUSY = frozenset({429, 503})
+# How long a lock call retries Prefect's busy answers, and its first wait.
+API_BUSY_RETRY_S = 30.0
+API_BUSY_FIRST_WAIT_S = 0.05
 # Prefect refuses to release slots held for 0 s.
 _MIN_OCCUPANCY_S = 0.001
 
 _LOG = logging.getLogger(__name__)
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -69,13 +77,41 @@ def _current_flow_run_id() -> str | None:
     return str(run_id) if run_id else None
 
 
+@contextlib.contextmanager
+def _lock_client() -> Iterator[SyncPrefectClient]:
+    """A Prefect client whose busy answers are retried by _api, not by the client itself.
+
+    On SQLite, Prefect answers 503 when a write meets another writer; the client would wait
+    about 2 s before its first retry, which the node locks of every deploy paid once or twice.
+    """
+    with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), get_client(sync_client=True) as c:
+        yield c
+
+
+def _api(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """`call(*args, **kwargs)`, retried on Prefect's busy answers (429, 503) after short,
+    growing waits."""
+    deadline = time.monotonic() + API_BUSY_RETRY_S
+    delay = API_BUSY_FIRST_WAIT_S
+    while True:
+        try:
+            return call(*args, **kwargs)
+        except httpx.HTTPStatusError as error:
+            if error.response.status_code not in _HTTP_BUSY or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay * random.uniform(0.5, 1.5))
+        delay = min(delay * 2, 1.0)
+
+
 def _take_slots(client: SyncPrefectClient, cluster: str, nodes: Sequence[str]) -> bool:
     """One slot of every node's limit, all or none, creating the limits that do not exist yet;
     False when one of them is full."""
     names = [limit_name(cluster, node) for node in nodes]
     for _ in range(2):
         try:
-            response = client.increment_concurrency_slots(names=names, slots=1, mode="concurrency")
+            response = _api(
+                client.increment_concurrency_slots, names=names, slots=1, mode="concurrency"
+            )
         except httpx.HTTPStatusError as error:
             if error.response.status_code != _HTTP_LOCKED:
                 raise
@@ -86,14 +122,18 @@ def _take_slots(client: SyncPrefectClient, cluster: str, nodes: Sequence[str]) -
         if not missing:
             return True
         if taken:
-            client.release_concurrency_slots(
-                names=sorted(taken), slots=1, occupancy_seconds=_MIN_OCCUPANCY_S
+            _api(
+                client.release_concurrency_slots,
+                names=sorted(taken),
+                slots=1,
+                occupancy_seconds=_MIN_OCCUPANCY_S,
             )
         for name in missing:
             # ObjectAlreadyExists: another deploy created it a moment ago.
             with contextlib.suppress(ObjectAlreadyExists):
-                client.create_global_concurrency_limit(
-                    GlobalConcurrencyLimitCreate(name=name, limit=1)
+                _api(
+                    client.create_global_concurrency_limit,
+                    GlobalConcurrencyLimitCreate(name=name, limit=1),
                 )
     raise NodeLockError(f"the node limits {', '.join(names)} vanish as soon as they are created")
 
@@ -103,11 +143,8 @@ def _read_holders(
 ) -> dict[str, NodeHolder | None]:
     """Every node's holder record, in one request."""
     by_variable = {holder_variable(cluster, node): node for node in nodes}
-    response = client.request(
-        "POST",
-        "/variables/filter",
-        json={"variables": {"name": {"any_": list(by_variable)}}, "limit": len(by_variable)},
-    )
+    query = {"variables": {"name": {"any_": list(by_variable)}}, "limit": len(by_variable)}
+    response = _api(client.request, "POST", "/variables/filter", json=query)
     found: dict[str, NodeHolder | None] = dict.fromkeys(nodes)
     for variable in Variable.model_validate_list(response.json()):
         node = by_variable.get(variable.name)
@@ -132,14 +169,14 @@ def _write_holder(client: SyncPrefectClient, cluster: str, holder: NodeHolder) -
     }
     tags = ["sparkdeploy", "node-lock"]
     try:
-        client.create_variable(VariableCreate(name=name, value=value, tags=tags))
+        _api(client.create_variable, VariableCreate(name=name, value=value, tags=tags))
     except ObjectAlreadyExists:
-        client.update_variable(VariableUpdate(name=name, value=value, tags=tags))
+        _api(client.update_variable, VariableUpdate(name=name, value=value, tags=tags))
 
 
 def holders(cluster: str, nodes: Sequence[str]) -> dict[str, NodeHolder | None]:
     """Who holds each node (None: free, or taken by a deploy that has not recorded itself)."""
-    with get_client(sync_client=True) as client:
+    with _lock_client() as client:
         return _read_holders(client, cluster, nodes)
 
 
@@ -148,7 +185,7 @@ def _describe_blockers(client: SyncPrefectClient, cluster: str, nodes: Sequence[
     current = _read_holders(client, cluster, nodes)
     for node in nodes:
         try:
-            limit = client.read_global_concurrency_limit_by_name(limit_name(cluster, node))
+            limit = _api(client.read_global_concurrency_limit_by_name, limit_name(cluster, node))
         except ObjectNotFound:
             continue  # never taken: the attempt that failed took no slot anywhere
         if limit.active_slots < limit.limit:
@@ -173,7 +210,7 @@ def _run_is_live(client: SyncPrefectClient, flow_run_id: str | None) -> bool:
     if flow_run_id is None:
         return False
     try:
-        run = client.read_flow_run(UUID(flow_run_id))
+        run = _api(client.read_flow_run, UUID(flow_run_id))
     except ObjectNotFound:
         return False
     return run.state is not None and not run.state.is_final()
@@ -211,7 +248,7 @@ def acquire_nodes(
     deadline = time.monotonic() + timeout_s
     waited_for: str | None = None
     flow_run_id = _current_flow_run_id()
-    with get_client(sync_client=True) as client:
+    with _lock_client() as client:
         while True:
             current = _read_holders(client, cluster, nodes)
             kept = [
@@ -273,17 +310,19 @@ def release_nodes(
     holder (safe, and named as such) rather than free with a stale record.
     """
     released = []
-    with get_client(sync_client=True) as client:
+    with _lock_client() as client:
         held_since: dict[str, list[str]] = {}
         for node, holder in _read_holders(client, cluster, nodes).items():
             if holder is None or holder.deployment_id != deployment_id:
                 continue
-            client.delete_variable_by_name(holder_variable(cluster, node))
+            _api(client.delete_variable_by_name, holder_variable(cluster, node))
             held_since.setdefault(holder.since, []).append(node)
             released.append(node)
         for since, held in held_since.items():
-            client.release_concurrency_slots(
-                names=[limit_name(cluster, node) for node in held],
+            names = [limit_name(cluster, node) for node in held]
+            _api(
+                client.release_concurrency_slots,
+                names=names,
                 slots=1,
                 occupancy_seconds=_held_seconds(since),
             )

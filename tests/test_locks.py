@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 from uuid import UUID
 
+import httpx
 import pytest
 from prefect import get_client
 from prefect.states import Completed, Running, State
@@ -131,3 +132,32 @@ def test_limits_are_created_for_new_nodes_beside_existing_ones(prefect_harness: 
     assert release_nodes("grow", ["n1", "n2"], "dep-h") == ["n1", "n2"]
     with get_client(sync_client=True) as client:
         assert client.read_global_concurrency_limit_by_name("node:grow:n2").active_slots == 0
+
+
+def _status_error(status: int) -> httpx.HTTPStatusError:
+    request = httpx.Request("POST", "http://prefect.invalid/api/v2/concurrency_limits/increment")
+    return httpx.HTTPStatusError(
+        f"HTTP {status}", request=request, response=httpx.Response(status, request=request)
+    )
+
+
+def test_busy_answers_are_retried_at_once_and_other_errors_are_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    answers: list[int | str] = [503, 429, 503, "taken"]
+
+    def call(name: str) -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, int):
+            raise _status_error(answer)
+        return f"{answer} {name}"
+
+    waits: list[float] = []
+    monkeypatch.setattr(locks.time, "sleep", waits.append)
+    assert locks._api(call, "node1") == "taken node1"
+    assert len(waits) == 3 and sum(waits) < 1.0  # not the Prefect client's ~2 s per retry
+
+    answers[:] = [423]
+    with pytest.raises(httpx.HTTPStatusError):
+        locks._api(call, "node1")
+    assert len(waits) == 3
