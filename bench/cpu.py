@@ -70,8 +70,10 @@ def measured() -> Iterator[CpuUsage]:
     finally:
         usage.wall_s = time.monotonic() - started
         usage.busy_s = busy_cpu_seconds() - busy
+        before = {pid: seconds for (pid, _), seconds in per_process.items()}
         for (pid, name), seconds in cpu_seconds_by_command().items():
-            spent = seconds - per_process.get((pid, name), 0.0)
+            # By pid: a kernel worker's name changes with the work it does.
+            spent = seconds - before.get(pid, 0.0)
             if spent > 0:
                 usage.by_command[name] += spent
 
