@@ -17,12 +17,14 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, ParamSpec, TypeVar
 from uuid import UUID
 
 import httpx
+from prefect.client.base import PrefectHttpxSyncClient
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.actions import (
     GlobalConcurrencyLimitCreate,
@@ -31,7 +33,6 @@ from prefect.client.schemas.actions import (
 )
 from prefect.client.schemas.objects import Variable
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from sparkdeploy.errors import NodeLockError
 
@@ -39,6 +40,7 @@ DEFAULT_TIMEOUT_S = 600.0
 POLL_S = 1.0
 _HTTP_LOCKED = 423
 _HTTP_BUSY = frozenset({429, 503})
+_CHANGE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # How long a lock call retries Prefect's busy answers, and its first wait.
 API_BUSY_RETRY_S = 30.0
 API_BUSY_FIRST_WAIT_S = 0.05
@@ -77,20 +79,40 @@ def _current_flow_run_id() -> str | None:
     return str(run_id) if run_id else None
 
 
+class _SingleAttemptHttpxClient(PrefectHttpxSyncClient):
+    """Sends each request once; _api retries busy answers on its own, shorter schedule.
+
+    On SQLite, Prefect answers 503 with Retry-After 2 when a write meets another writer, and
+    Prefect's client sleeps those 2 s even when its retries are turned off; the node locks of
+    a deploy paid it once or twice per run.
+    """
+
+    def _send_with_retry(
+        self,
+        request: httpx.Request,
+        send: Callable[..., httpx.Response],
+        send_args: tuple[Any, ...],
+        send_kwargs: dict[str, Any],
+        retry_codes: AbstractSet[int] = frozenset(),
+        retry_exceptions: tuple[type[Exception], ...] = (),
+    ) -> httpx.Response:
+        if self.enable_csrf_support and request.method.upper() in _CHANGE_METHODS:
+            self._add_csrf_headers(request=request)
+        return send(request, *send_args, **send_kwargs)
+
+
 @contextlib.contextmanager
 def _lock_client() -> Iterator[SyncPrefectClient]:
-    """A Prefect client whose busy answers are retried by _api, not by the client itself.
-
-    On SQLite, Prefect answers 503 when a write meets another writer; the client would wait
-    about 2 s before its first retry, which the node locks of every deploy paid once or twice.
-    """
-    with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), get_client(sync_client=True) as c:
-        yield c
+    """A Prefect client for the lock calls: one attempt per request (see _api)."""
+    with get_client(sync_client=True) as client:
+        if type(client._client) is PrefectHttpxSyncClient:
+            client._client.__class__ = _SingleAttemptHttpxClient
+        yield client
 
 
 def _api(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """`call(*args, **kwargs)`, retried on Prefect's busy answers (429, 503) after short,
-    growing waits."""
+    """`call(*args, **kwargs)`, retried on Prefect's busy answers (429, 503) and on transport
+    errors after short, growing waits."""
     deadline = time.monotonic() + API_BUSY_RETRY_S
     delay = API_BUSY_FIRST_WAIT_S
     while True:
@@ -98,6 +120,9 @@ def _api(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
             return call(*args, **kwargs)
         except httpx.HTTPStatusError as error:
             if error.response.status_code not in _HTTP_BUSY or time.monotonic() >= deadline:
+                raise
+        except httpx.TransportError:
+            if time.monotonic() >= deadline:
                 raise
         time.sleep(delay * random.uniform(0.5, 1.5))
         delay = min(delay * 2, 1.0)

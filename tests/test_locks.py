@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from uuid import UUID
 
@@ -161,3 +162,20 @@ def test_busy_answers_are_retried_at_once_and_other_errors_are_not(
     with pytest.raises(httpx.HTTPStatusError):
         locks._api(call, "node1")
     assert len(waits) == 3
+
+
+def test_a_busy_answer_costs_the_lock_client_no_2_s_wait() -> None:
+    answers = [httpx.Response(503, headers={"Retry-After": "2"}), httpx.Response(200, json=[])]
+    sent: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        return answers.pop(0)
+
+    http = locks._SingleAttemptHttpxClient(
+        transport=httpx.MockTransport(answer), base_url="http://prefect.invalid/api"
+    )
+    started = time.monotonic()
+    assert locks._api(http.post, "/variables/filter").json() == []
+    assert sent == ["/api/variables/filter"] * 2
+    assert time.monotonic() - started < 1.0
