@@ -4,6 +4,7 @@ cores, so a ratio that is bounded by CPU is reported with the bound measured in 
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,8 +60,6 @@ class CpuUsage:
 def measured() -> Iterator[CpuUsage]:
     """Fill a CpuUsage with what the body of the `with` cost (processes that ended inside it
     are in busy_s but not in by_command)."""
-    import time
-
     usage = CpuUsage()
     per_process = cpu_seconds_by_command()
     busy = busy_cpu_seconds()
