@@ -175,14 +175,16 @@ class Connection:
         stdin: bytes | None = None,
         check: bool = True,
     ) -> CommandResult:
-        """Run `source` with the node's python3; sys.argv[1:] = args, stdin follows the source.
+        """Run `source` with the node's python3, standard library only (-I -S: no site
+        packages, none of the user's environment, and no site import to pay for at each start);
+        sys.argv[1:] = args, stdin follows the source.
 
         The source travels on stdin ahead of the program's own stdin (its length in argv), so
         its size is not bounded by the kernel's per-argument limit and it needs no quoting.
         """
         encoded = source.encode()
         return self.run(
-            ["python3", "-c", _PYTHON_BOOTSTRAP, str(len(encoded)), *args],
+            ["python3", "-I", "-S", "-c", _PYTHON_BOOTSTRAP, str(len(encoded)), *args],
             timeout=timeout,
             stdin=encoded + (stdin or b""),
             check=check,
@@ -448,7 +450,7 @@ def on_all(
     for name, future in futures.items():
         error = future.exception()
         if error is not None:
-            if isinstance(error, RemoteError):
+            if isinstance(error, RemoteError) and not str(error).startswith(f"node {name}:"):
                 raise type(error)(f"node {name}: {error}") from error
             raise error
         results[name] = future.result()

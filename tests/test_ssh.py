@@ -103,6 +103,15 @@ def test_on_all_returns_by_node_and_names_the_failing_node(lab_cluster: Lab) -> 
     with pytest.raises(RemoteError, match=r"^node node2: .*`false` exited 1"):
         on_all(targets, fail_on_node2)
 
+    def fail_naming_node2(connection: Connection) -> None:
+        name = connection.run(["hostname"], timeout=TIMEOUT_S).stdout.strip().decode()
+        if name == "node2":
+            raise RemoteError("node node2: disk full")
+
+    with pytest.raises(RemoteError) as named_once:
+        on_all(targets, fail_naming_node2)
+    assert str(named_once.value) == "node node2: disk full"
+
 
 def test_the_cache_reuses_a_live_connection_and_replaces_a_closed_one(lab_cluster: Lab) -> None:
     target = lab_cluster.ssh_target("node3")
