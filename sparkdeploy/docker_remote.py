@@ -73,7 +73,9 @@ class Runner(Protocol):
         check: bool = True,
     ) -> CommandResult: ...
 
-    def stream_lines(self, argv: Sequence[str], *, timeout: float) -> LineStream: ...
+    def stream_lines(
+        self, argv: Sequence[str], *, timeout: float, idle_timeout: float | None = None
+    ) -> LineStream: ...
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Prefect task: the composed model dir of one node (logic in sparkdeploy.compose)."""
+"""Prefect task: the composed model dir of every node (logic in sparkdeploy.compose)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.compose import ComposeResult, compose_model
+from sparkdeploy.docker_remote import Runner, on_nodes
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.plan import NodePlan
-from sparkdeploy.ssh import cached_connection
+from sparkdeploy.plan import Plan
 from sparkdeploy.targets import node_target
 from tasks.common import artifact_key, retry_only
 
@@ -20,42 +20,52 @@ from tasks.common import artifact_key, retry_only
     retry_delay_seconds=[5, 30, 120],
     retry_condition_fn=retry_only(TransientRemoteError),
 )
-def compose_model_on_node(node: NodePlan, nas_hf_cache: str) -> ComposeResult | None:
-    """The node's composed HF cache built, rebuilt or found unchanged; None if it has none."""
+def compose_models_on_nodes(plan: Plan) -> dict[str, ComposeResult]:
+    """Each node's composed HF cache built, rebuilt or found unchanged, all nodes at once (one
+    task run for all, like stage-engram); nodes whose plan composes nothing are left out."""
     logger = get_run_logger()
-    composed = node.composed
-    if composed is None:
-        logger.info("node %s: the recipe composes no model", node.node)
-        return None
-    result = compose_model(
-        cached_connection(node_target(node)),
-        node.node,
-        root=composed.root,
-        nas_hf_cache=nas_hf_cache,
-        sources=[(source.repo, source.revision) for source in composed.sources],
-        local_files=composed.local_files,
-    )
-    logger.info(
-        "node %s: composed model %s %s (%s), %d local files hardlinked, mounted at %s",
-        node.node,
-        result.root,
-        result.status,
-        ", ".join(f"{repo}@{commit[:12]}" for repo, commit in result.sources),
-        len(result.hardlinks),
-        composed.mount,
-    )
-    create_table_artifact(
-        key=artifact_key("composed-model", node.node),
-        table=[
+    composing = {node.node: node.composed for node in plan.nodes if node.composed is not None}
+    if not composing:
+        logger.info("the recipe composes no model")
+        return {}
+
+    def compose_node(runner: Runner, name: str) -> ComposeResult:
+        composed = composing[name]
+        return compose_model(
+            runner,
+            name,
+            root=composed.root,
+            nas_hf_cache=plan.nas_hf_cache,
+            sources=[(source.repo, source.revision) for source in composed.sources],
+            local_files=composed.local_files,
+        )
+
+    targets = {node.node: node_target(node) for node in plan.nodes if node.node in composing}
+    by_node = on_nodes(targets, compose_node)
+    rows = []
+    for name, result in by_node.items():
+        logger.info(
+            "node %s: composed model %s %s (%s), %d local files hardlinked, mounted at %s",
+            name,
+            result.root,
+            result.status,
+            ", ".join(f"{repo}@{commit[:12]}" for repo, commit in result.sources),
+            len(result.hardlinks),
+            composing[name].mount,
+        )
+        rows += [
             {
-                "node": node.node,
+                "node": name,
                 "root": result.root,
                 "status": result.status,
                 "entry": entry,
                 "local_file": local,
             }
             for local, entry in result.hardlinks
-        ],
-        description=f"Local files hardlinked into the composed model on {node.node}",
+        ]
+    create_table_artifact(
+        key=artifact_key("composed-model", plan.deployment_id),
+        table=rows,
+        description=f"Local files hardlinked into the composed models of {plan.deployment_id}",
     )
-    return result
+    return by_node

@@ -1,4 +1,4 @@
-"""Prefect task: the Engram sparse copies of one node (logic in sparkdeploy.staging)."""
+"""Prefect task: the Engram sparse copies of every node (logic in sparkdeploy.staging)."""
 
 from __future__ import annotations
 
@@ -6,52 +6,17 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
+from sparkdeploy.docker_remote import Runner, on_nodes
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.plan import NodePlan
-from sparkdeploy.ssh import cached_connection
+from sparkdeploy.plan import NodePlan, Plan
 from sparkdeploy.staging import EngramShard, StagingResult, stage_engram_shards
 from sparkdeploy.targets import node_target
 from sparkdeploy.units import human_bytes
 from tasks.common import artifact_key, retry_only
 
 
-@task(
-    name="stage-engram",
-    retries=3,
-    retry_delay_seconds=[10, 30, 120],
-    retry_condition_fn=retry_only(TransientRemoteError),
-)
-def stage_engram_on_node(node: NodePlan, nas_hf_cache: str) -> list[StagingResult]:
-    """Every Engram shard of the node's plan copied (or found, or finished) and verified.
-
-    One python3 on the node checks and copies them all, its progress logged as it comes. A
-    retried run resumes an interrupted copy where its journal says it stopped.
-    """
-    logger = get_run_logger()
-    if not node.engram:
-        logger.info("node %s: no Engram shards to stage", node.node)
-        return []
-
-    def log_progress(node_name: str, dest: str, done: int, total: int) -> None:
-        logger.info(
-            "node %s: %s: %s of %s copied and verified",
-            node_name,
-            dest,
-            human_bytes(done),
-            human_bytes(total),
-        )
-
-    for stage in node.engram:
-        logger.info(
-            "node %s: staging %s/%s ranks %s of TP %d to %s",
-            node.node,
-            stage.repo.repo,
-            stage.filename,
-            stage.ranks,
-            stage.tp_size,
-            stage.dest,
-        )
-    shards = [
+def _shards(node: NodePlan) -> list[EngramShard]:
+    return [
         EngramShard(
             repo=stage.repo.repo,
             revision=stage.repo.revision,
@@ -62,40 +27,89 @@ def stage_engram_on_node(node: NodePlan, nas_hf_cache: str) -> list[StagingResul
         )
         for stage in node.engram
     ]
-    results = stage_engram_shards(
-        cached_connection(node_target(node)),
-        node.node,
-        nas_hf_cache=nas_hf_cache,
-        shards=shards,
-        on_progress=log_progress,
-    )
-    for result in results:
+
+
+@task(
+    name="stage-engram",
+    retries=3,
+    retry_delay_seconds=[10, 30, 120],
+    retry_condition_fn=retry_only(TransientRemoteError),
+)
+def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
+    """Every Engram shard of every node's plan copied (or found, or finished) and verified, all
+    nodes at once.
+
+    One python3 per node checks and copies its shards, its progress logged as it comes. One task
+    run for all nodes, not one per node: each task run costs the Prefect server and the flow a
+    few API calls, which a warm redeploy of many nodes felt. A retried run finds the nodes that
+    finished and resumes an interrupted copy where its journal says it stopped.
+    """
+    logger = get_run_logger()
+    staged = {node.node: node for node in plan.nodes if node.engram}
+    if not staged:
+        logger.info("the plan stages no Engram shards")
+        return {}
+
+    def log_progress(node_name: str, dest: str, done: int, total: int) -> None:
         logger.info(
-            "node %s: %s: %s, share %s, wrote %s, allocated %s, %.1f s",
-            node.node,
-            result.dest,
-            result.status,
-            human_bytes(result.share_bytes),
-            human_bytes(result.copied_bytes),
-            human_bytes(result.allocated_bytes),
-            result.seconds,
+            "node %s: %s: %s of %s copied and verified",
+            node_name,
+            dest,
+            human_bytes(done),
+            human_bytes(total),
         )
+
+    for node in staged.values():
+        for stage in node.engram:
+            logger.info(
+                "node %s: staging %s/%s ranks %s of TP %d to %s",
+                node.node,
+                stage.repo.repo,
+                stage.filename,
+                stage.ranks,
+                stage.tp_size,
+                stage.dest,
+            )
+
+    def stage_node(runner: Runner, name: str) -> list[StagingResult]:
+        return stage_engram_shards(
+            runner,
+            name,
+            nas_hf_cache=plan.nas_hf_cache,
+            shards=_shards(staged[name]),
+            on_progress=log_progress,
+        )
+
+    by_node = on_nodes({name: node_target(node) for name, node in staged.items()}, stage_node)
+    rows = []
+    for results in by_node.values():
+        for result in results:
+            logger.info(
+                "node %s: %s: %s, share %s, wrote %s, allocated %s, %.1f s",
+                result.node,
+                result.dest,
+                result.status,
+                human_bytes(result.share_bytes),
+                human_bytes(result.copied_bytes),
+                human_bytes(result.allocated_bytes),
+                result.seconds,
+            )
+            rows.append(
+                {
+                    "node": result.node,
+                    "file": result.dest,
+                    "status": result.status,
+                    "ranks": ",".join(map(str, result.ranks)),
+                    "tp": result.tp_size,
+                    "share": human_bytes(result.share_bytes),
+                    "written": human_bytes(result.copied_bytes),
+                    "allocated": human_bytes(result.allocated_bytes),
+                    "seconds": result.seconds,
+                }
+            )
     create_table_artifact(
-        key=artifact_key("engram-staging", node.node),
-        table=[
-            {
-                "node": r.node,
-                "file": r.dest,
-                "status": r.status,
-                "ranks": ",".join(map(str, r.ranks)),
-                "tp": r.tp_size,
-                "share": human_bytes(r.share_bytes),
-                "written": human_bytes(r.copied_bytes),
-                "allocated": human_bytes(r.allocated_bytes),
-                "seconds": r.seconds,
-            }
-            for r in results
-        ],
-        description=f"Engram sparse copies on {node.node}",
+        key=artifact_key("engram-staging", plan.deployment_id),
+        table=rows,
+        description=f"Engram sparse copies on the nodes of {plan.deployment_id}",
     )
-    return results
+    return by_node

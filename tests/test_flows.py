@@ -25,12 +25,14 @@ from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import BootFailed, NodeLockError, RecipeBlocked, SmokeFailed
 from sparkdeploy.locks import holders
 from sparkdeploy.project import load_plan
-from sparkdeploy.ssh import close_cached
+from sparkdeploy.ssh import cached_connection, close_cached
 from sparkdeploy.status import cluster_status
+from sparkdeploy.targets import node_target
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 
 SINGLE = PROJECT_ROOT / "recipes" / "lab-single" / "recipe.toml"
+DSV41 = PROJECT_ROOT / "recipes" / "lab-dsv41-3x" / "recipe.toml"
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +49,12 @@ def nothing_runs(cluster: str) -> None:
     assert set(holders(inventory.name, [n.name for n in inventory.nodes]).values()) == {None}
 
 
-def recipe_variant(tmp_path: Path, name: str, *replacements: tuple[str, str]) -> str:
-    """lab-single with lines replaced, as <tmp>/<name>/recipe.toml; returns the recipe dir."""
-    text = SINGLE.read_text()
+def recipe_variant(
+    tmp_path: Path, name: str, *replacements: tuple[str, str], source: Path = SINGLE
+) -> str:
+    """`source` (lab-single) with lines replaced, as <tmp>/<name>/recipe.toml; returns the
+    recipe dir."""
+    text = source.read_text()
     for old, new in replacements:
         assert old in text, old
         text = text.replace(old, new, 1)
@@ -187,6 +192,17 @@ def test_overlapping_deployments_never_both_run(cluster: str, tmp_path: Path) ->
             NodeLockError, match=f"node1 is held by deployment {first.deployment_id}"
         ):
             deploy(two_nodes, cluster=cluster, lock_timeout_s=3)
+        # The nodes are held before anything is put on them: a deployment that waits for a node
+        # stages, composes and starts nothing, not even on the nodes no one holds.
+        composing = recipe_variant(tmp_path, "lab-dsv41-wait", source=DSV41)
+        with pytest.raises(NodeLockError, match=f"held by deployment {first.deployment_id}"):
+            deploy(composing, cluster=cluster, lock_timeout_s=1)
+        for node in load_plan(composing, cluster).nodes:
+            assert node.composed is not None
+            listed = cached_connection(node_target(node)).run(
+                ["ls", "-d", node.composed.root], timeout=30, check=False
+            )
+            assert listed.exit_code != 0, f"{node.node} has {node.composed.root}"
         [running] = cluster_status(load_cluster(Path(cluster)))
         assert running.deployment_id == first.deployment_id and running.healthy
         assert status(cluster=cluster)[0].deployment_id == first.deployment_id

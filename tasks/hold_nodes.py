@@ -1,0 +1,31 @@
+"""Prefect task: the plan's nodes held for its deployment (logic in sparkdeploy.locks)."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.logging import get_run_logger
+
+from sparkdeploy.locks import DEFAULT_TIMEOUT_S, acquire_nodes, release_nodes
+from sparkdeploy.plan import Plan
+
+
+@task(name="hold-nodes")
+def hold_nodes(plan: Plan, *, lock_timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """Hold the plan's nodes, waiting up to lock_timeout_s for another deployment to let go;
+    the nodes newly taken. Held before anything is put on the nodes (a deployment that stages
+    an Engram file in place or swaps a composed dir must not do it under a running one) and
+    until the teardown task lets go."""
+    return acquire_nodes(
+        plan.cluster,
+        [node.node for node in plan.nodes],
+        plan.deployment_id,
+        timeout_s=lock_timeout_s,
+        log=get_run_logger().info,
+    )
+
+
+@task(name="let-go-of-nodes")
+def let_go_of_nodes(plan: Plan, nodes: list[str]) -> list[str]:
+    """The given nodes of the plan released by its deployment (those a failed run took before
+    it put anything on them); the nodes let go."""
+    return release_nodes(plan.cluster, nodes, plan.deployment_id, log=get_run_logger().info)
