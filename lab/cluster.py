@@ -35,7 +35,6 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from lab import unixhttp
 from lab.layout import (
     DEFAULT_NAME,
     DEFAULT_NODES,
@@ -45,6 +44,7 @@ from lab.layout import (
     LabLayout,
 )
 from sparkdeploy.errors import LabError
+from sparkdeploy.node_probe import EngineApi
 from sparkdeploy.ssh import SshTarget
 
 COMMAND_TIMEOUT_S = 15
@@ -698,12 +698,13 @@ def _remove_cgroup_tree(directory: Path) -> None:
 
 
 def _remove_all_containers(socket_path: Path) -> None:
+    engine = EngineApi(str(socket_path), timeout=10)
     try:
-        containers = unixhttp.request_json(socket_path, "GET", "/containers/json?all=1", timeout=5)
+        status, containers = engine.get("/containers/json?all=1")
+        if status != 200:
+            raise OSError(f"GET /containers/json on {socket_path} answered {status}: {containers}")
         for container in containers:
-            unixhttp.request(
-                socket_path, "DELETE", f"/containers/{container['Id']}?force=1&v=1", timeout=10
-            )
+            engine.request("DELETE", f"/containers/{container['Id']}?force=1&v=1")
     except OSError:
         # No dockerd behind the socket (crashed lab): its containers die with the cgroup sweep.
         return
@@ -757,7 +758,7 @@ def _ssh_banner(ip: str) -> bool:
 
 def _docker_ping(socket_path: Path) -> bool:
     try:
-        status, _ = unixhttp.request(socket_path, "GET", "/_ping", timeout=1)
+        status, _ = EngineApi(str(socket_path), timeout=1).request("GET", "/_ping")
     except OSError:
         return False
     return status == 200
