@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import select
 import shlex
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -378,6 +379,11 @@ def _open_client(target: SshTarget) -> paramiko.SSHClient:
                 f"{target}: identity_file {identity_file} cannot be read: {error}"
             ) from error
         raise TransientRemoteError(f"{target}: cannot connect: {error!r}") from error
+    transport = client.get_transport()
+    if transport is not None and isinstance(transport.sock, socket.socket):
+        # Without it, a command's small packets wait out the peer's delayed ACK (Nagle):
+        # measured on the lab, a `true` took 46 ms a round trip instead of 3.
+        transport.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return client
 
 

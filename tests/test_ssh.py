@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import socket
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,13 @@ def test_argv_reaches_the_node_verbatim_and_no_shell_sees_it(node1: Connection) 
     assert result.stdout == f"two words|$(touch {marker})|'quoted'|a;b|*||".encode()
     assert result.argv == tuple(argv)
     assert node1.run(["test", "-e", marker], timeout=TIMEOUT_S, check=False).exit_code == 1
+
+
+def test_small_packets_go_out_at_once(node1: Connection) -> None:
+    """Nagle off: with it on, every command round trip waited out the node's delayed ACK."""
+    transport = node1._client.get_transport()
+    assert transport is not None and isinstance(transport.sock, socket.socket)
+    assert transport.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
 
 
 def test_non_zero_exit_raises_with_node_command_and_stderr(node1: Connection) -> None:
