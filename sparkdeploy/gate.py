@@ -1,8 +1,9 @@
 """The readiness gate: follow every container's log at once, decide ready or why not.
 
 Whoever follows the logs (`docker logs -f` over SSH, a local process in tests) puts LogLine
-events, and a ContainerExited event once a container has stopped, on one queue.Queue;
-`follow_lines` does that for any iterable of lines. The gate consumes the queue:
+events, and a ContainerExited event once a container has stopped (ContainerMissing when there
+is no such container), on one queue.Queue; `follow_lines` does that for any iterable of lines.
+The gate consumes the queue:
 
     gate = ReadinessGate(head="node1", workers=["node2", "node3"])
     result = gate.wait(events, endpoint="http://10.77.0.11:8000", served_model_name="dsv41",
@@ -72,7 +73,14 @@ class ContainerExited:
     t: float
 
 
-GateEvent = LogLine | ContainerExited
+@dataclass(frozen=True)
+class ContainerMissing:
+    node: str
+    detail: str  # what docker said of it
+    t: float
+
+
+GateEvent = LogLine | ContainerExited | ContainerMissing
 
 
 @dataclass(frozen=True)
@@ -218,6 +226,9 @@ class BootWatch:
             return None
         if isinstance(event, ContainerExited):
             return self._exited(event, progress)
+        if isinstance(event, ContainerMissing):
+            cause = f"its container does not exist on {event.node} ({event.detail})"
+            return Failure(event.node, "container_missing", cause, [_quote(event.detail)])
         earlier = list(progress.lines)
         progress.lines.append(event.line)
         for name, pattern in self._failure_markers:

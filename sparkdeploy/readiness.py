@@ -5,20 +5,22 @@
 
 For each node, `docker logs --follow <container>` streams over that node's SSH connection (stdout
 and stderr merged) into the gate's queue; when a log ends because its container stopped,
-`docker wait <container>` supplies the exit code. The gate decides (sparkdeploy.gate); the
-streams are stopped and their channels closed however it ends, and `gate.timeline` stays
-readable after a failure. Boot (starting the containers) is not done here.
+`docker wait <container>` supplies the exit code (or says there is no such container). The
+gate decides (sparkdeploy.gate); the streams are stopped and their channels closed however it
+ends, and `gate.timeline` stays readable after a failure. Boot (starting the containers) is
+not done here.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from sparkdeploy.errors import BootFailed, RemoteError
-from sparkdeploy.gate import GateEvent, GateResult, ReadinessGate, follow_lines
+from sparkdeploy.errors import RemoteError
+from sparkdeploy.gate import ContainerMissing, GateEvent, GateResult, ReadinessGate, follow_lines
 from sparkdeploy.plan import NodePlan, Plan
 from sparkdeploy.ssh import Connection, LineStream, SshTarget, cached_connection
 from sparkdeploy.targets import node_target
@@ -28,6 +30,7 @@ from sparkdeploy.vllm_markers import HEADLESS_WORKER_JOINED
 STREAM_MARGIN_S = 30.0
 DOCKER_COMMAND_TIMEOUT_S = 15.0
 FOLLOWER_JOIN_S = 2.0
+NO_SUCH_CONTAINER = "No such container"
 
 ConnectionFactory = Callable[[SshTarget], Connection]
 
@@ -55,10 +58,17 @@ def gate_for(plan: Plan, *, started_at: float | None = None) -> ReadinessGate:
 class _Follower:
     """One node's `docker logs --follow`, feeding the gate's queue from a thread."""
 
-    def __init__(self, node: NodePlan, connection: Connection, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        node: NodePlan,
+        connection: Connection,
+        stop: threading.Event,
+        events: queue.Queue[GateEvent],
+    ) -> None:
         self.node = node
         self.connection = connection
         self.stop = stop
+        self.events = events
         self.stream: LineStream | None = None
         self.thread: threading.Thread | None = None
 
@@ -66,27 +76,7 @@ class _Follower:
     def container(self) -> str:
         return self.node.container.name
 
-    def check_container(self) -> None:
-        """A missing container would only surface as the gate's timeout: fail at once instead."""
-        result = self.connection.run(
-            ["docker", "container", "inspect", "--format", "{{.State.Status}}", self.container],
-            timeout=DOCKER_COMMAND_TIMEOUT_S,
-            check=False,
-        )
-        if result.exit_code != 0:
-            stderr = result.stderr.decode(errors="replace").strip()
-            cause = f"container {self.container} does not exist on {self.node.node}"
-            raise BootFailed(
-                f"readiness of {self.node.node}: {cause} (`docker container inspect`: {stderr})\n"
-                "fix: run the boot step first; if it ran, its log says why this container was "
-                "not started (or what removed it)",
-                node=self.node.node,
-                kind="container_missing",
-                cause=cause,
-                excerpt=[stderr] if stderr else [],
-            )
-
-    def start(self, events: queue.Queue[GateEvent], timeout_s: float) -> None:
+    def start(self, timeout_s: float) -> None:
         lifetime_s = timeout_s + STREAM_MARGIN_S
         # `timeout` bounds the follower on the node too: closing the SSH channel alone leaves
         # `docker logs` running until its container prints again.
@@ -95,10 +85,15 @@ class _Follower:
             timeout=lifetime_s,
             stop=self.stop,
         )
-        self.thread = follow_lines(events, self.node.node, self.stream, self.exit_code)
+        self.thread = follow_lines(self.events, self.node.node, self.stream, self.exit_code)
 
     def exit_code(self) -> int | None:
-        """The container's exit code once its log has ended with it; None while it runs."""
+        """The container's exit code once its log has ended with it; None while it runs.
+
+        A container that does not exist ends its log at once: that is put on the queue as
+        ContainerMissing (rather than asking docker about every container before following it,
+        which cost each node a docker CLI start on every boot).
+        """
         if self.stop.is_set() or self.stream is None or self.stream.ended != "exited":
             return None
         try:
@@ -108,7 +103,12 @@ class _Follower:
         except RemoteError:
             return None  # still running after all: the log stream was cut, not ended
         text = result.stdout.decode(errors="replace").strip()
-        return int(text) if result.exit_code == 0 and text.lstrip("-").isdigit() else None
+        if result.exit_code == 0 and text.lstrip("-").isdigit():
+            return int(text)
+        stderr = result.stderr.decode(errors="replace").strip()
+        if NO_SUCH_CONTAINER in stderr:
+            self.events.put(ContainerMissing(self.node.node, stderr, time.monotonic()))
+        return None
 
     def close(self) -> None:
         if self.stream is not None:
@@ -135,14 +135,8 @@ def wait_until_ready(
 
     def attach(node: NodePlan) -> _Follower:
         try:
-            follower = _Follower(node, connection_for(node_target(node)), stop)
-            # Following first: the check's round trip overlaps the log's first lines.
-            follower.start(events, timeout)
-            try:
-                follower.check_container()
-            except BaseException:
-                follower.close()
-                raise
+            follower = _Follower(node, connection_for(node_target(node)), stop, events)
+            follower.start(timeout)
         except RemoteError as error:
             raise type(error)(
                 f"node {node.node}: following its container's log: {error}"

@@ -116,6 +116,10 @@ FAILURE_HINTS: dict[str, str] = {
     "engine_core_init_failed": (
         "fix the root cause: the first error in the log lines above, not the final RuntimeError"
     ),
+    "container_missing": (
+        "run the boot step first; if it ran, its log says why this container was not started "
+        "(or what removed it)"
+    ),
     "oom_killed": (
         "the kernel OOM-killed the container: drop the page cache before boot "
         "(docker.drop_page_cache), cap JIT parallelism (MAX_JOBS) or lower memory use"

@@ -16,6 +16,7 @@ from sparkdeploy.errors import BootFailed
 from sparkdeploy.gate import (
     BootWatch,
     ContainerExited,
+    ContainerMissing,
     GateEvent,
     LogLine,
     ReadinessGate,
@@ -266,6 +267,15 @@ def test_exit_137_is_an_oom_kill_and_other_exits_quote_the_last_error() -> None:
     exited = watch.observe(ContainerExited("node1", 1, 4.0))
     assert exited is not None and exited.kind == "container_exited"
     assert "code 1" in exited.cause and "KeyError: 'model_type'" in exited.cause
+
+
+def test_a_missing_container_is_named_with_what_docker_said() -> None:
+    watch = BootWatch(head="node1", workers=["node2"], started_at=0.0)
+    said = "Error response from daemon: No such container: sparkdeploy-x-node2"
+    failure = watch.observe(ContainerMissing("node2", said, 0.2))
+    assert failure is not None and (failure.node, failure.kind) == ("node2", "container_missing")
+    assert said in failure.cause and failure.excerpt == [said]
+    assert "run the boot step first" in str(failure.to_error(0.2))
 
 
 def test_boot_failed_survives_pickling() -> None:
