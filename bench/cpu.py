@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -13,17 +12,19 @@ from dataclasses import dataclass, field
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def busy_cpu_seconds() -> float:
-    """CPU time spent not idle, over all cores, since boot (/proc/stat)."""
+def busy_and_stolen_cpu_seconds() -> tuple[float, float]:
+    """CPU time spent running this machine's work, and time the hypervisor gave to other guests
+    while this one had work (steal), over all cores, since boot (/proc/stat)."""
     with open("/proc/stat") as stat:
-        fields = [int(value) for value in stat.readline().split()[1:]]
-    idle, iowait = fields[3], fields[4]
-    return (sum(fields[:8]) - idle - iowait) / _TICKS_PER_S
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (
+            int(value) for value in stat.readline().split()[1:9]
+        )
+    return (user + nice + system + irq + softirq) / _TICKS_PER_S, steal / _TICKS_PER_S
 
 
-def cpu_seconds_by_command() -> Counter[tuple[int, str]]:
+def cpu_seconds_by_command() -> dict[tuple[int, str], float]:
     """(pid, command name) -> user + system CPU seconds, for every live process."""
-    usage: Counter[tuple[int, str]] = Counter()
+    usage: dict[tuple[int, str], float] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -40,20 +41,21 @@ def cpu_seconds_by_command() -> Counter[tuple[int, str]]:
 
 @dataclass
 class CpuUsage:
-    """What one measured stretch cost the machine: wall time, busy CPU time, and by command."""
+    """What one measured stretch cost the machine: wall time, busy CPU time, and by command;
+    stolen_s is CPU time the hypervisor withheld, which makes wall times on a shared VM noisy."""
 
     wall_s: float = 0.0
     busy_s: float = 0.0
-    by_command: Counter[str] = field(default_factory=Counter)
+    stolen_s: float = 0.0
+    by_command: dict[str, float] = field(default_factory=dict)
 
     @property
     def cores_busy(self) -> float:
         return self.busy_s / self.wall_s if self.wall_s else 0.0
 
     def top(self, count: int = 4) -> str:
-        return ", ".join(
-            f"{name} {seconds:.2f}" for name, seconds in self.by_command.most_common(count)
-        )
+        largest = sorted(self.by_command.items(), key=lambda item: item[1], reverse=True)
+        return ", ".join(f"{name} {seconds:.2f}" for name, seconds in largest[:count])
 
 
 @contextmanager
@@ -62,19 +64,21 @@ def measured() -> Iterator[CpuUsage]:
     are in busy_s but not in by_command)."""
     usage = CpuUsage()
     per_process = cpu_seconds_by_command()
-    busy = busy_cpu_seconds()
+    busy, stolen = busy_and_stolen_cpu_seconds()
     started = time.monotonic()
     try:
         yield usage
     finally:
         usage.wall_s = time.monotonic() - started
-        usage.busy_s = busy_cpu_seconds() - busy
+        busy_after, stolen_after = busy_and_stolen_cpu_seconds()
+        usage.busy_s = busy_after - busy
+        usage.stolen_s = stolen_after - stolen
         before = {pid: seconds for (pid, _), seconds in per_process.items()}
         for (pid, name), seconds in cpu_seconds_by_command().items():
             # By pid: a kernel worker's name changes with the work it does.
             spent = seconds - before.get(pid, 0.0)
             if spent > 0:
-                usage.by_command[name] += spent
+                usage.by_command[name] = usage.by_command.get(name, 0.0) + spent
 
 
 def cpu_bound_ratio(small: CpuUsage, large: CpuUsage) -> float:
