@@ -23,6 +23,10 @@ WORK_POOL = "sparkdeploy"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # A fresh SQLite database takes about 20 s to migrate on 2 cores (FACTS.md); allow for a slow CI.
 SERVER_START_TIMEOUT_S = 180.0
+# Prefect's client keeps an idle connection for 25 s and reuses it; a server that closes idle
+# connections sooner (uvicorn's default is 5 s) races the next request on one, which then fails
+# with "Server disconnected without sending a response". The server must outwait the client.
+SERVER_KEEPALIVE_S = 30
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,6 +96,8 @@ class PrefectServer:
                     "127.0.0.1",
                     "--port",
                     str(self.port),
+                    "--keep-alive-timeout",
+                    str(SERVER_KEEPALIVE_S),
                 ],
                 env=self.env(),
                 stdout=log,

@@ -21,6 +21,7 @@ import pytest
 from readiness_lab import Deployment, cache_tiny_model
 
 from lab.cluster import REQUIRED_TOOLS, Lab
+from lab.prefect_local import SERVER_KEEPALIVE_S
 from sparkdeploy import ssh
 
 TEST_LAB_NAME = os.environ.get("SPARKDEPLOY_TEST_LAB", "pytest")
@@ -72,6 +73,8 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     # server never tries to send telemetry out of the machine.
     os.environ["PREFECT_HOME"] = str(home)
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    # The harness runs uvicorn with the environment it inherits; see SERVER_KEEPALIVE_S.
+    os.environ["UVICORN_TIMEOUT_KEEP_ALIVE"] = str(SERVER_KEEPALIVE_S)
     from prefect.settings import PREFECT_HOME, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
