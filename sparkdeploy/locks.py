@@ -103,8 +103,13 @@ class _SingleAttemptHttpxClient(PrefectHttpxSyncClient):
 
 @contextlib.contextmanager
 def _lock_client() -> Iterator[SyncPrefectClient]:
-    """A Prefect client for the lock calls: one attempt per request (see _api)."""
-    with get_client(sync_client=True) as client:
+    """A Prefect client of the lock calls' own: one attempt per request (see _api).
+
+    Given httpx_settings, get_client makes a new client instead of handing back the run's
+    shared one, whose requests keep Prefect's own retries (a run's client made single-attempt
+    here failed a later artifact on one dropped connection).
+    """
+    with get_client(httpx_settings={}, sync_client=True) as client:
         if type(client._client) is PrefectHttpxSyncClient:
             client._client.__class__ = _SingleAttemptHttpxClient
         yield client

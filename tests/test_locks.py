@@ -9,7 +9,8 @@ from uuid import UUID
 
 import httpx
 import pytest
-from prefect import get_client
+from prefect import flow, get_client
+from prefect.client.base import PrefectHttpxSyncClient
 from prefect.states import Completed, Running, State
 
 from sparkdeploy import locks
@@ -27,6 +28,20 @@ def test_second_deployment_waits_then_fails_naming_the_holder(prefect_harness: P
     # All or nothing: dep-b's failed attempt left node3 free.
     assert holders("lab", ["node3"]) == {"node3": None}
     assert release_nodes("lab", ["node1", "node2"], "dep-a") == ["node1", "node2"]
+
+
+def test_lock_calls_leave_the_runs_own_client_with_prefects_retries(prefect_harness: Path) -> None:
+    @flow
+    def holding_a_node() -> tuple[type, type]:
+        with get_client(sync_client=True) as run_client:
+            acquire_nodes("lab", ["node9"], "dep-run", timeout_s=5)
+            release_nodes("lab", ["node9"], "dep-run")
+            with locks._lock_client() as lock_client:
+                return type(run_client._client), type(lock_client._client)
+
+    run_http, lock_http = holding_a_node()
+    assert run_http is PrefectHttpxSyncClient
+    assert lock_http is locks._SingleAttemptHttpxClient
 
 
 def test_acquire_is_idempotent_and_release_only_frees_own_nodes(prefect_harness: Path) -> None:
