@@ -31,6 +31,7 @@ from lab.models import publish_lab_models  # noqa: E402
 from lab.prefect_local import PROJECT_ROOT, PrefectServer, free_port  # noqa: E402
 
 RECIPE = PROJECT_ROOT / "recipes" / "lab-dsv41-3x" / "recipe.toml"
+ENGRAM_DIR = "/var/tmp/engram-local/tiny-dsv41"
 
 
 def sized_recipe(directory: Path, nodes: int) -> str:
@@ -38,6 +39,11 @@ def sized_recipe(directory: Path, nodes: int) -> str:
     for key in ("required_nodes", "tensor_parallel_size"):
         text = text.replace(f"{key} = 3", f"{key} = {nodes}", 1)
     text = text.replace('"draft_tensor_parallel_size":3', f'"draft_tensor_parallel_size":{nodes}')
+    # Each size stages its own ranks' Engram copies: sharing one path, every deploy of the other
+    # size would copy them again and none would be warm.
+    if f"{ENGRAM_DIR}/" not in text:
+        raise SystemExit(f"{RECIPE} no longer keeps its Engram copies in {ENGRAM_DIR}/")
+    text = text.replace(f"{ENGRAM_DIR}/", f"{ENGRAM_DIR}-{nodes}x/")
     path = directory / f"bench-dsv41-{nodes}x" / "recipe.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
