@@ -13,6 +13,7 @@ to the node script).
 from __future__ import annotations
 
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -20,7 +21,10 @@ from collections.abc import Iterator, Sequence
 from sparkdeploy.ssh import CommandResult
 
 WATCH_POLL_S = 0.1
-NODE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
+# The node scripts' compiled-code cache (sparkdeploy.node_script) goes in a directory of the test
+# session's own, not in this machine's ~/.cache.
+_NODE_CACHE = tempfile.TemporaryDirectory(prefix="sparkdeploy-node-cache-")
+NODE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "XDG_CACHE_HOME": _NODE_CACHE.name}
 
 
 class LocalStream:

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import importlib.util
+import marshal
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+from local_node import NODE_ENV
+
+from sparkdeploy.node_script import build_node_script, python_argv
+
+GREETER = """\
+import sys
+
+
+def main(argv):
+    print("hello " + argv[0])
+    return 0
+"""
+
+
+def shipped_module(directory: Path, source: str) -> ModuleType:
+    """A module of `source` loaded from a file, as build_node_script reads this package's."""
+    path = directory / "greeter.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("shiptest.greeter", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_on_node(script: str, cache_home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        python_argv(script, args),
+        env={**NODE_ENV, "XDG_CACHE_HOME": str(cache_home)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+
+
+def cached_files(cache_home: Path) -> list[Path]:
+    return sorted((cache_home / "sparkdeploy" / "node-code").iterdir())
+
+
+def test_a_shipped_modules_code_is_compiled_once_then_loaded(tmp_path: Path) -> None:
+    script = build_node_script(shipped_module(tmp_path, GREETER))
+    cache_home = tmp_path / "cache"
+    assert run_on_node(script, cache_home, "node1").stdout == "hello node1\n"
+    [cached] = cached_files(cache_home)
+    node_python = subprocess.run(
+        ["python3", "-I", "-S", "-c", "import sys; print(format(sys.hexversion, 'x'))"],
+        env=NODE_ENV,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert cached.name.startswith(f"shiptest.greeter.{node_python}.")
+    # What the cache holds is what runs: the module is not compiled again.
+    impostor = compile('def main(argv):\n    print("cached " + argv[0])\n', "impostor", "exec")
+    cached.write_bytes(marshal.dumps(impostor))
+    assert run_on_node(script, cache_home, "node1").stdout == "cached node1\n"
+
+
+def test_a_changed_module_replaces_its_cached_code(tmp_path: Path) -> None:
+    cache_home = tmp_path / "cache"
+    run_on_node(build_node_script(shipped_module(tmp_path, GREETER)), cache_home, "a")
+    [old] = cached_files(cache_home)
+    changed = build_node_script(shipped_module(tmp_path, GREETER.replace("hello", "hi")))
+    assert run_on_node(changed, cache_home, "b").stdout == "hi b\n"
+    [new] = cached_files(cache_home)
+    assert new != old
+
+
+def test_a_damaged_or_unwritable_cache_only_costs_the_compile(tmp_path: Path) -> None:
+    script = build_node_script(shipped_module(tmp_path, GREETER))
+    cache_home = tmp_path / "cache"
+    run_on_node(script, cache_home, "a")
+    [cached] = cached_files(cache_home)
+    cached.write_bytes(b"\x00 not marshal data")
+    assert run_on_node(script, cache_home, "b").stdout == "hello b\n"
+    assert marshal.loads(cached.read_bytes()).co_filename == "<shipped shiptest.greeter>"
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    assert run_on_node(script, not_a_directory, "c").stdout == "hello c\n"
