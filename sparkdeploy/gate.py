@@ -9,12 +9,20 @@ The gate consumes the queue:
     result = gate.wait(events, endpoint="http://10.77.0.11:8000", served_model_name="dsv41",
                        timeout_s=600)
 
-Ready = every boot marker seen on the head, every worker marker seen on each worker, then
-GET /health 200 and GET /v1/models listing the served name (polled every 0.2 s once the markers
-are in; connection refused while the engine loads is normal). Any failure marker, any container
-exit, the timeout, or a wrong served name raises errors.BootFailed at once, naming the node and
-the cause and quoting the log lines around it. `gate.timeline` (markers, node, seconds since the
-start, parsed figures) is there after a failure too.
+Ready = every required boot marker seen on the head, every worker marker (the rank-assignment
+line) seen on each worker, then GET /health 200 and GET /v1/models listing the served name
+(polled every 0.2 s once the markers are in; connection refused while the engine loads is
+normal), then one real completion (POST /v1/completions, max_tokens 1, temperature 0, asked
+once with the gate's time left) answering a choice. Recorded markers (vllm_markers:
+DEFAULT_RECORDED_MARKERS, WORKER_RECORDED_MARKERS) go in the timeline and the figures when seen
+but are never waited for. Any failure marker, any container exit (status 0 included: vLLM exits
+0 after its engine died), the timeout, a wrong served name or a failed completion raises
+errors.BootFailed at once, naming the node and the cause and quoting the log lines around it. A
+worker that never joined is named at the timeout. `gate.timeline` (markers, node, seconds since
+the start, parsed figures) is there after a failure too.
+
+`classify_log(lines, node=..., node_of_ip=...)` is the same classification of one log's lines,
+for whoever watches a deployment after it was ready.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sparkdeploy import engine_http
@@ -33,9 +41,12 @@ from sparkdeploy.errors import BootFailed
 from sparkdeploy.vllm_markers import (
     DEFAULT_BOOT_MARKERS,
     DEFAULT_FAILURE_MARKERS,
+    DEFAULT_RECORDED_MARKERS,
     FAILURE_HINTS,
     HEADLESS_WORKER_JOINED,
     ROOT_CAUSE_ABOVE,
+    SHUTDOWN_TRIGGERED,
+    WORKER_RECORDED_MARKERS,
     MarkerLike,
 )
 
@@ -46,6 +57,8 @@ LINES_AFTER = 6
 # After a fatal line, wait this long for the lines that follow it (the rest of a traceback)
 # before raising; well inside the 2 s the gate has to report a failure.
 TRAILING_LINES_GRACE_S = 0.3
+# The one test completion gets the gate's time left, but never less than this.
+COMPLETION_MIN_TIMEOUT_S = 30.0
 _MAX_QUOTED_LINE = 400
 
 # "(EngineCore_DP0 pid=12) ERROR 09-18 12:00:00 [core.py:708] " and uvicorn's "INFO:     ".
@@ -101,17 +114,18 @@ class GateResult:
 
 @dataclass(frozen=True)
 class Failure:
-    node: str
+    node: str  # the node that failed
     kind: str
     cause: str
     excerpt: list[str]
+    log_node: str | None = None  # whose log the excerpt is, when not the failed node's
 
     def to_error(self, seconds: float) -> BootFailed:
         quoted = "\n".join(f"  | {line}" for line in self.excerpt)
         hint = FAILURE_HINTS.get(self.kind, FAILURE_HINTS["container_exited"])
         message = (
             f"boot failed on {self.node} after {seconds:.1f} s: {self.cause}\n"
-            f"log of {self.node}:\n{quoted}\nfix: {hint}"
+            f"log of {self.log_node or self.node}:\n{quoted}\nfix: {hint}"
         )
         return BootFailed(
             message, node=self.node, kind=self.kind, cause=self.cause, excerpt=self.excerpt
@@ -156,7 +170,8 @@ def exception_text(line: str) -> str:
 
 @dataclass
 class _NodeProgress:
-    markers: list[tuple[str, re.Pattern[str]]]
+    markers: list[tuple[str, re.Pattern[str]]]  # required: awaited in this order
+    recorded: list[tuple[str, re.Pattern[str]]] = field(default_factory=list)  # never awaited
     seen: set[str] = field(default_factory=set)
     lines: deque[str] = field(default_factory=lambda: deque(maxlen=LINES_KEPT_PER_NODE))
 
@@ -171,6 +186,95 @@ def _compile(markers: Sequence[MarkerLike]) -> list[tuple[str, re.Pattern[str]]]
     return [(marker.name, re.compile(marker.pattern)) for marker in markers]
 
 
+def _progress(required: Sequence[MarkerLike], recorded: Sequence[MarkerLike]) -> _NodeProgress:
+    """A node's markers; a recorded marker named like a required one is dropped."""
+    names = {marker.name for marker in required}
+    extra = [marker for marker in recorded if marker.name not in names]
+    return _NodeProgress(_compile(required), _compile(extra))
+
+
+_SHUTDOWN = re.compile(SHUTDOWN_TRIGGERED)
+
+
+def _peer_node(ip: str, node_of_ip: Mapping[str, str]) -> str:
+    node = node_of_ip.get(ip)
+    return f"{node} ({ip})" if node else f"at {ip} (no node of this deployment has that address)"
+
+
+def failure_of_line(
+    node: str,
+    name: str,
+    match: re.Match[str],
+    line: str,
+    earlier: Sequence[str],
+    node_of_ip: Mapping[str, str] | None = None,
+) -> Failure:
+    """The Failure a fatal `line` of `node`'s log means (`earlier`: the lines before it)."""
+    before = [_quote(text) for text in earlier[-LINES_BEFORE:]]
+    cause = f"{name}: {strip_log_prefix(line)}"
+    if name in ROOT_CAUSE_ABOVE:
+        root = find_root_cause(earlier)
+        if root is not None:
+            cause = (
+                f"{name}: the engine core died of {exception_text(earlier[root])} "
+                f"(quoted above the final error)"
+            )
+            before = [_quote(text) for text in earlier[max(root - LINES_BEFORE, 0) : root + 1]]
+            if root + 1 < len(earlier):
+                before.append("...")
+    peer = match.groupdict().get("peer_ip")
+    if name == "worker_died" and peer is not None:
+        cause = (
+            f"worker_died: the worker {_peer_node(peer, node_of_ip or {})} closed its "
+            f"connection to {node} (its engine process died); {node}'s engine then dies and "
+            f"exits with status 0: {exception_text(line)}"
+        )
+        dead = (node_of_ip or {}).get(peer)
+        if dead is not None:
+            return Failure(dead, name, cause, [*before, _quote(line)], log_node=node)
+    return Failure(node, name, cause, [*before, _quote(line)])
+
+
+def classify_log(
+    lines: Sequence[str],
+    *,
+    node: str,
+    node_of_ip: Mapping[str, str] | None = None,
+    failure_markers: Sequence[MarkerLike] = DEFAULT_FAILURE_MARKERS,
+) -> Failure | None:
+    """The named failure in one container's log lines (the first fatal line), or None.
+
+    For the gate and for whoever watches a running deployment (the smoke watchdog): `node` is
+    the node whose log this is; `node_of_ip` maps fabric addresses to node names, so that the
+    head's "Connection closed by peer [ip]" names the worker that died. Lines after vLLM's
+    "[shutdown] API server: shutdown triggered" (a deliberate stop) are not read.
+    """
+    compiled = _compile(failure_markers)
+    for index, line in enumerate(lines):
+        if _SHUTDOWN.search(line):
+            return None
+        for name, pattern in compiled:
+            match = pattern.search(line)
+            if match is not None:
+                failure = failure_of_line(
+                    node,
+                    name,
+                    match,
+                    line,
+                    lines[max(index - LINES_KEPT_PER_NODE, 0) : index],
+                    node_of_ip,
+                )
+                trailing = [_quote(text) for text in lines[index + 1 : index + 1 + LINES_AFTER]]
+                return Failure(
+                    failure.node,
+                    failure.kind,
+                    failure.cause,
+                    [*failure.excerpt, *trailing],
+                    failure.log_node,
+                )
+    return None
+
+
 class BootWatch:
     """The state of one boot as its events arrive. Pure: no I/O, no clock of its own."""
 
@@ -183,14 +287,18 @@ class BootWatch:
         boot_markers: Sequence[MarkerLike] = DEFAULT_BOOT_MARKERS,
         worker_markers: Sequence[MarkerLike] = (HEADLESS_WORKER_JOINED,),
         failure_markers: Sequence[MarkerLike] = DEFAULT_FAILURE_MARKERS,
+        recorded_markers: Sequence[MarkerLike] = DEFAULT_RECORDED_MARKERS,
+        worker_recorded_markers: Sequence[MarkerLike] = WORKER_RECORDED_MARKERS,
+        node_of_ip: Mapping[str, str] | None = None,
     ) -> None:
         self.head = head
         self.started_at = started_at
         self.timeline: list[TimelineEntry] = []
         self.head_figures: dict[str, float] = {}
-        self._nodes = {head: _NodeProgress(_compile(boot_markers))}
+        self.node_of_ip = dict(node_of_ip or {})
+        self._nodes = {head: _progress(boot_markers, recorded_markers)}
         for worker in workers:
-            self._nodes[worker] = _NodeProgress(_compile(worker_markers))
+            self._nodes[worker] = _progress(worker_markers, worker_recorded_markers)
         self._failure_markers = _compile(failure_markers)
 
     @property
@@ -208,6 +316,18 @@ class BootWatch:
             if missing is not None:
                 return node, *missing
         return None
+
+    def unjoined_workers(self) -> list[str]:
+        """The workers still missing a worker marker (they never joined the process group)."""
+        return [
+            node
+            for node, progress in self._nodes.items()
+            if node != self.head and progress.awaited() is not None
+        ]
+
+    def lines(self, node: str) -> list[str]:
+        progress = self._nodes.get(node)
+        return [] if progress is None else list(progress.lines)
 
     def tail(self, node: str, count: int = LINES_AFTER * 2) -> list[str]:
         progress = self._nodes.get(node)
@@ -232,9 +352,12 @@ class BootWatch:
         earlier = list(progress.lines)
         progress.lines.append(event.line)
         for name, pattern in self._failure_markers:
-            if pattern.search(event.line):
-                return self._fatal_line(event, name, earlier)
-        for name, pattern in progress.markers:
+            match = pattern.search(event.line)
+            if match is not None:
+                return failure_of_line(
+                    event.node, name, match, event.line, earlier, self.node_of_ip
+                )
+        for name, pattern in [*progress.markers, *progress.recorded]:
             if name in progress.seen:
                 continue
             match = pattern.search(event.line)
@@ -247,25 +370,17 @@ class BootWatch:
             self.record(name, event.node, event.t, figures, strip_log_prefix(event.line))
         return None
 
-    def _fatal_line(self, event: LogLine, name: str, earlier: list[str]) -> Failure:
-        before = [_quote(line) for line in earlier[-LINES_BEFORE:]]
-        cause = f"{name}: {strip_log_prefix(event.line)}"
-        if name == ROOT_CAUSE_ABOVE:
-            root = find_root_cause(earlier)
-            if root is not None:
-                cause = (
-                    f"{name}: the engine core died of {exception_text(earlier[root])} "
-                    f"(quoted above the final error)"
-                )
-                before = [_quote(line) for line in earlier[max(root - LINES_BEFORE, 0) : root + 1]]
-                if root + 1 < len(earlier):
-                    before.append("...")
-        return Failure(event.node, name, cause, [*before, _quote(event.line)])
-
     def _exited(self, event: ContainerExited, progress: _NodeProgress) -> Failure:
         lines = list(progress.lines)
         if event.exit_code == OOM_KILLED_EXIT_CODE:
             kind, cause = "oom_killed", "OOM-killed: the container exited with code 137 (SIGKILL)"
+        elif event.exit_code == 0:
+            # vLLM exits 0 after its engine died (e.g. a worker crashed): never a clean stop here.
+            kind, cause = (
+                "container_exited",
+                "the container exited with code 0 before any teardown (vLLM exits 0 after its "
+                "engine died)",
+            )
         else:
             kind, cause = "container_exited", f"the container exited with code {event.exit_code}"
         root = find_root_cause(lines)
@@ -296,6 +411,38 @@ def probe_endpoint(endpoint: str, served_model_name: str, *, timeout: float) -> 
     return ProbeOutcome(served_model_name in names, f"/v1/models lists {names}", names)
 
 
+COMPLETION_PROMPT = "Hello"
+
+
+def probe_completion(endpoint: str, served_model_name: str, *, timeout: float) -> ProbeOutcome:
+    """POST /v1/completions for one token at temperature 0; ready when it answers a choice.
+
+    The first request to a TP > 1 CPU engine builds a kernel (about 20 s): `timeout` should be
+    generous, and this is asked once, not polled.
+    """
+    body = {
+        "model": served_model_name,
+        "prompt": COMPLETION_PROMPT,
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    url = f"{endpoint.rstrip('/')}/v1/completions"
+    try:
+        reply = engine_http.request("POST", url, timeout=timeout, json_body=body)
+    except (OSError, http.client.HTTPException) as error:
+        return ProbeOutcome(False, f"POST /v1/completions: {type(error).__name__}: {error}")
+    if reply.status != 200:
+        text = reply.body[:300].decode(errors="replace")
+        return ProbeOutcome(False, f"POST /v1/completions answered {reply.status}: {text}")
+    try:
+        choices = reply.json()["choices"]
+    except (ValueError, KeyError, TypeError) as error:
+        return ProbeOutcome(False, f"POST /v1/completions: not a completion ({error})")
+    if not choices:
+        return ProbeOutcome(False, "POST /v1/completions answered no choice")
+    return ProbeOutcome(True, "POST /v1/completions answered a choice")
+
+
 class ReadinessGate:
     """Drives a BootWatch from an event queue and probes the endpoint once the markers are in."""
 
@@ -307,14 +454,22 @@ class ReadinessGate:
         boot_markers: Sequence[MarkerLike] = DEFAULT_BOOT_MARKERS,
         worker_markers: Sequence[MarkerLike] = (HEADLESS_WORKER_JOINED,),
         failure_markers: Sequence[MarkerLike] = DEFAULT_FAILURE_MARKERS,
+        recorded_markers: Sequence[MarkerLike] = DEFAULT_RECORDED_MARKERS,
+        worker_recorded_markers: Sequence[MarkerLike] = WORKER_RECORDED_MARKERS,
+        node_of_ip: Mapping[str, str] | None = None,
         started_at: float | None = None,
         health_poll_s: float = 0.2,
         http_timeout_s: float = 1.0,
+        completion_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`node_of_ip` maps fabric addresses to node names (a dead worker is named by it);
+        `completion_timeout_s` bounds the one test completion (default: the gate's time left,
+        at least COMPLETION_MIN_TIMEOUT_S)."""
         self._clock = clock
         self._health_poll_s = health_poll_s
         self._http_timeout_s = http_timeout_s
+        self._completion_timeout_s = completion_timeout_s
         self.watch = BootWatch(
             head=head,
             workers=workers,
@@ -322,6 +477,9 @@ class ReadinessGate:
             boot_markers=boot_markers,
             worker_markers=worker_markers,
             failure_markers=failure_markers,
+            recorded_markers=recorded_markers,
+            worker_recorded_markers=worker_recorded_markers,
+            node_of_ip=node_of_ip,
         )
 
     @property
@@ -350,7 +508,7 @@ class ReadinessGate:
                     endpoint, served_model_name, timeout=self._http_timeout_s
                 )
                 if last_probe.ready:
-                    return self._ready()
+                    return self._complete_one(events, endpoint, served_model_name, deadline)
                 if last_probe.served_names is not None:
                     raise self._wrong_name(served_model_name, last_probe).to_error(self._elapsed())
                 next_probe = self._clock() + self._health_poll_s
@@ -370,9 +528,56 @@ class ReadinessGate:
                     failure = self._with_trailing_lines(failure, events)
                 raise failure.to_error(self._elapsed())
 
+    def _complete_one(
+        self,
+        events: queue.Queue[GateEvent],
+        endpoint: str,
+        served_model_name: str,
+        deadline: float,
+    ) -> GateResult:
+        """One real completion once /health and /v1/models are good: ready when it answers."""
+        self.watch.record(
+            "endpoint_healthy",
+            self.watch.head,
+            self._clock(),
+            {},
+            f"GET /health 200, /v1/models lists {served_model_name!r}",
+        )
+        timeout = self._completion_timeout_s
+        if timeout is None:
+            timeout = max(deadline - self._clock(), COMPLETION_MIN_TIMEOUT_S)
+        outcome = probe_completion(endpoint, served_model_name, timeout=timeout)
+        if outcome.ready:
+            return self._ready()
+        # The engine may have died under the request: its log says why, better than the reply.
+        grace_end = self._clock() + TRAILING_LINES_GRACE_S
+        while True:
+            remaining = grace_end - self._clock()
+            try:
+                event = (
+                    events.get(timeout=max(remaining, 0.0))
+                    if remaining > 0
+                    else (events.get_nowait())
+                )
+            except queue.Empty:
+                break
+            failure = self.watch.observe(event)
+            if failure is not None:
+                if isinstance(event, LogLine):
+                    failure = self._with_trailing_lines(failure, events)
+                raise failure.to_error(self._elapsed())
+        raise Failure(
+            self.watch.head,
+            "completion_failed",
+            f"/health and /v1/models are good but a one-token completion failed: {outcome.detail}",
+            self.watch.tail(self.watch.head) or ["(no log lines from the head)"],
+        ).to_error(self._elapsed())
+
     def _ready(self) -> GateResult:
         seconds = self._elapsed()
-        self.watch.record("endpoint_ready", self.watch.head, self._clock(), {}, "GET /health 200")
+        self.watch.record(
+            "endpoint_ready", self.watch.head, self._clock(), {}, "POST /v1/completions 200"
+        )
         figures = {**self.watch.head_figures, "ready_s": round(seconds, 3)}
         return GateResult(round(seconds, 3), list(self.watch.timeline), figures)
 
@@ -387,11 +592,17 @@ class ReadinessGate:
                 event = events.get(timeout=remaining)
             except queue.Empty:
                 break
-            if isinstance(event, LogLine) and event.node == failure.node:
+            if isinstance(event, LogLine) and event.node == (failure.log_node or failure.node):
                 trailing.append(_quote(event.line))
         if not trailing:
             return failure
-        return Failure(failure.node, failure.kind, failure.cause, [*failure.excerpt, *trailing])
+        return Failure(
+            failure.node,
+            failure.kind,
+            failure.cause,
+            [*failure.excerpt, *trailing],
+            failure.log_node,
+        )
 
     def _wrong_name(self, served_model_name: str, probe: ProbeOutcome) -> Failure:
         return Failure(
@@ -409,6 +620,19 @@ class ReadinessGate:
         last_probe: ProbeOutcome | None,
     ) -> BootFailed:
         awaited = self.watch.awaited()
+        unjoined = self.watch.unjoined_workers()
+        if unjoined:
+            # The head waits for them at "world_size=N rank=0 ... backend=gloo", saying nothing.
+            names = ", ".join(unjoined)
+            cause = (
+                f"the worker(s) {names} never joined (no rank-assignment line) within {timeout_s} s"
+            )
+            node = unjoined[0]
+            excerpt = self.watch.tail(node) or ["(no log lines from this node)"]
+            head_tail = self.watch.tail(self.watch.head, LINES_AFTER)
+            if head_tail:
+                excerpt = [*excerpt, f"--- {self.watch.head}:", *head_tail]
+            return Failure(node, "worker_never_joined", cause, excerpt).to_error(self._elapsed())
         if awaited is None:
             node = self.watch.head
             detail = last_probe.detail if last_probe else "never probed"

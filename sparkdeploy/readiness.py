@@ -51,6 +51,8 @@ def gate_for(plan: Plan, *, started_at: float | None = None) -> ReadinessGate:
         boot_markers=plan.boot_markers,
         worker_markers=() if ray else (HEADLESS_WORKER_JOINED,),
         failure_markers=plan.failure_markers,
+        # the head's gloo "Connection closed by peer [ip]" names a dead worker by this
+        node_of_ip={node.fabric_ip: node.node for node in plan.nodes if node.role == "worker"},
         started_at=started_at,
     )
 

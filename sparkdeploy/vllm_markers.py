@@ -1,4 +1,4 @@
-"""What vLLM prints while it boots and when it dies, as named regexes (FACTS.md, vLLM 0.11-0.34).
+"""What vLLM prints while it boots and when it dies, as named regexes (vLLM 0.11-0.34).
 
 Named groups in a pattern are the figures the boot timeline reports; their values are numbers
 (thousands separators allowed). Recipes may replace the boot markers and add failure markers; a
@@ -29,38 +29,70 @@ class Marker:
 
 _NUMBER = r"[\d][\d,]*(?:\.\d+)?"
 
-# The head's boot, in the order vLLM prints it. The KV cache size and the maximum concurrency
-# are one line from 0.33 on and two lines in 0.11; one line may satisfy several markers.
+# The head's boot: the lines every supported vLLM version (0.11-0.34) prints on every platform
+# (GPU and CPU builds), in the order it prints them. The gate waits for each. Checked against
+# the vLLM source (vllm-project/vllm) and real 0.32.0 CPU logs (tests/fixtures/vllm-0.32-cpu);
+# docs/recipes.md lists the source file of each line.
 DEFAULT_BOOT_MARKERS: tuple[Marker, ...] = (
+    # vllm/model_executor/model_loader/default_loader.py (the worker of TP rank 0)
     Marker("weights_loaded", rf"Loading weights took (?P<weights_load_s>{_NUMBER}) s"),
-    Marker(
-        "model_loaded",
-        rf"Model loading took (?P<model_load_gib>{_NUMBER}) GiB(?: memory)?"
-        rf"(?: and (?P<model_load_s>{_NUMBER}) s)?",
-    ),
-    Marker("kv_cache_memory", rf"Available KV cache memory: (?P<kv_cache_gib>{_NUMBER}) GiB"),
-    Marker("kv_cache_size", rf"GPU KV cache size: (?P<kv_cache_tokens>{_NUMBER}) tokens"),
-    Marker(
-        "max_concurrency",
-        rf"Maximum concurrency for (?P<max_concurrency_request_tokens>{_NUMBER}) tokens per "
-        rf"request: (?P<max_concurrency>{_NUMBER})x",
-    ),
+    # vllm/v1/engine/core.py: "... took 4.20 s" (0.32), "... took 48.66 seconds" (0.11)
     Marker(
         "engine_initialized",
         rf"init engine \(profile, create kv cache, warmup model\) took (?P<init_engine_s>{_NUMBER})"
         r" s",
     ),
-    # 0.33+: "Starting vLLM server on http://..."; 0.11: "Starting vLLM API server 0 on http://..."
+    # 0.32+: "Starting vLLM server on http://..." (vllm/entrypoints/launchers/api_server/
+    # entry.py); 0.11: "Starting vLLM API server 0 on http://..." (entrypoints/openai/api_server.py)
     Marker("api_server_starting", r"Starting vLLM (?:API )?server (?:\d+ )?on "),
+    # uvicorn's own lines (uvicorn/server.py, uvicorn/lifespan/on.py)
     Marker("uvicorn_started", r"Started server process \["),
     Marker("application_startup", r"Waiting for application startup\."),
     Marker("application_ready", r"Application startup complete\."),
 )
 
-# A worker of the mp backend (`--headless`) has joined the head once it prints this.
-HEADLESS_WORKER_JOINED = Marker(
-    "headless_worker_joined", r"Launching vLLM \(v?[^)]*\) headless multiproc executor"
+# Lines of the head that only some versions or platforms print: recorded in the timeline (their
+# figures in the head's figures) when seen, never waited for. Also recorded when a recipe gives
+# its own boot_markers, unless one of those has the same name.
+DEFAULT_RECORDED_MARKERS: tuple[Marker, ...] = (
+    # GPU only (vllm/v1/worker/gpu_model_runner.py); "Model loading took X GiB and Y seconds"
+    # before 0.11.1, "X GiB memory and Y seconds" from 0.11.1 on; the CPU build prints none.
+    Marker(
+        "model_loaded",
+        rf"Model loading took (?P<model_load_gib>{_NUMBER}) GiB(?: memory)?"
+        rf"(?: and (?P<model_load_s>{_NUMBER}) s)?",
+    ),
+    # GPU only (vllm/v1/worker/gpu_worker.py)
+    Marker("kv_cache_memory", rf"Available KV cache memory: (?P<kv_cache_gib>{_NUMBER}) GiB"),
+    # vllm/v1/core/kv_cache_utils.py: "GPU KV cache size: ..." on GPUs, "CPU KV cache size: ..."
+    # on the CPU build (0.32); the maximum concurrency is on the same line from 0.33 (and on
+    # 0.32 CPU), on the next line in 0.11. One line may satisfy several markers.
+    Marker(
+        "kv_cache_size",
+        rf"(?:GPU|CPU|XPU|TPU) KV cache size: (?P<kv_cache_tokens>{_NUMBER}) tokens",
+    ),
+    Marker(
+        "max_concurrency",
+        rf"Maximum concurrency for (?P<max_concurrency_request_tokens>{_NUMBER}) tokens per "
+        rf"request: (?P<max_concurrency>{_NUMBER})x",
+    ),
 )
+
+# A worker of the mp backend (`--headless`) has joined the head's process group once it prints
+# its rank assignment (vllm/distributed/parallel_state.py; "PCP rank" from 0.12 on). The head's
+# own TP rank 0 prints the same line with rank 0.
+HEADLESS_WORKER_JOINED = Marker(
+    "headless_worker_joined",
+    r"rank (?P<rank>\d+) in world size (?P<world_size>\d+) is assigned as .*TP rank",
+)
+
+# Printed by a headless worker at start-up (vllm/entrypoints/cli/serve.py), long before it has
+# joined (it then waits for the head's TCP store): recorded, never waited for.
+HEADLESS_WORKER_LAUNCHING = Marker(
+    "headless_worker_launching", r"Launching vLLM \(v?[^)]*\) headless multiproc executor"
+)
+
+WORKER_RECORDED_MARKERS: tuple[Marker, ...] = (HEADLESS_WORKER_LAUNCHING,)
 
 # Lines that end a boot for good. Order matters only for a line matching several patterns.
 DEFAULT_FAILURE_MARKERS: tuple[Marker, ...] = (
@@ -82,10 +114,44 @@ DEFAULT_FAILURE_MARKERS: tuple[Marker, ...] = (
         r"TimeoutError: Timed out waiting for engine core processes to start",
     ),
     Marker("engine_core_init_failed", r"RuntimeError: Engine core initialization failed"),
+    # argparse (vllm/entrypoints/cli/main.py's parser), after `usage: vllm [-h] [-v] ...`; exit 2
+    Marker("unrecognized_arguments", r"^vllm(?: serve)?: error: unrecognized arguments: "),
+    Marker("bad_command_line", r"^vllm(?: serve)?: error: "),
+    # pydantic's ValidationError of ModelConfig (vllm/config/model.py); exit 1
+    Marker(
+        "max_model_len_too_long",
+        r"User-specified max_model_len \(\d+\) is greater than the derived max_model_len",
+    ),
+    # huggingface_hub under HF_HUB_OFFLINE=1: a repo id not in the cache; a path that is neither
+    # a directory nor a repo id
+    Marker("model_not_in_offline_cache", r"LocalEntryNotFoundError: "),
+    Marker("model_path_invalid", r"HFValidationError: Repo id must be in the form"),
+    # The head's TP rank 0 when a worker's process dies (gloo, torch's pair.cc); the head then
+    # prints "EngineCore encountered a fatal error.", EngineDeadError, and exits with status 0.
+    Marker(
+        "worker_died",
+        r"Connection closed by peer \[(?P<peer_ip>[^\]]+)\]:\d+\. This is typically caused by "
+        r"a remote worker crashing",
+    ),
+    # The head's torch TCP store when workers never connect (torch's default_pg_timeout, 30 min
+    # for gloo unless --distributed-timeout-seconds): read from torch's source, not yet seen.
+    Marker(
+        "workers_never_joined",
+        r"Timed out after \d+ seconds waiting for clients\. \d+/\d+ clients joined",
+    ),
+    # vllm/v1/engine/core.py and the API server's AsyncLLM: the engine died, the cause is above.
+    Marker("engine_core_fatal", r"EngineCore encountered a fatal error"),
+    Marker("engine_dead", r"EngineDeadError: "),
 )
 
-# The failure marker whose line only points at the real cause, printed earlier in the log.
-ROOT_CAUSE_ABOVE = "engine_core_init_failed"
+# The failure markers whose line only points at the real cause, printed earlier in the log.
+ROOT_CAUSE_ABOVE: frozenset[str] = frozenset(
+    {"engine_core_init_failed", "engine_core_fatal", "engine_dead"}
+)
+
+# vLLM's own line for a deliberate stop (SIGTERM); the lines after it are its teardown, where
+# EngineDeadError is printed too, and are not a failure.
+SHUTDOWN_TRIGGERED = r"\[shutdown\] API server: shutdown triggered"
 
 # What the operator should do about each failure, by marker name or failure kind.
 FAILURE_HINTS: dict[str, str] = {
@@ -130,4 +196,48 @@ FAILURE_HINTS: dict[str, str] = {
         "lines show where it stopped"
     ),
     "served_name_mismatch": "set --served-model-name in the recipe to the name the plan expects",
+    "unrecognized_arguments": (
+        "remove or fix the flag in the recipe's args: this vLLM version does not know it "
+        "(`vllm serve --help` in the image lists the flags it has)"
+    ),
+    "bad_command_line": "fix the recipe's args: vLLM's argparse refused them (quoted above)",
+    "max_model_len_too_long": (
+        "lower --max-model-len to the model's max_position_embeddings, or set "
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in the recipe's env if the model really supports more"
+    ),
+    "model_not_in_offline_cache": (
+        "the model is not in the node's HF cache and the hub is offline: run the prefetch step, "
+        "and check the recipe's model repo id and revision"
+    ),
+    "model_path_invalid": (
+        "the model argument is neither a directory in the container nor a repo id: check the "
+        "recipe's model and its mounts"
+    ),
+    "head_exited": (
+        "the head's container stopped without a teardown: its log above says why; real vLLM "
+        "exits with status 0 after its engine died, so a 0 is no clean stop either"
+    ),
+    "worker_died": (
+        "a worker's engine process died: read that worker's container log (docker logs, the "
+        "run dir) for why (OOM kill, crash, stopped), then redeploy"
+    ),
+    "worker_never_joined": (
+        "the worker's engine never reached the head's process group: check that its container "
+        "runs, its --master-addr/--master-port (the head's fabric_ip), GLOO/NCCL_SOCKET_IFNAME "
+        "and that the fabric lets it reach the head"
+    ),
+    "workers_never_joined": (
+        "the head waited for workers that never came: check every worker container, their "
+        "--master-addr and the fabric; raise --distributed-timeout-seconds only for slow starts"
+    ),
+    "engine_core_fatal": (
+        "the engine core died after it started: the root cause is quoted above the final error"
+    ),
+    "engine_dead": (
+        "the engine core died: the root cause is quoted above; redeploy once it is fixed"
+    ),
+    "completion_failed": (
+        "the engine is up but could not answer one token: read the head's log for the error "
+        "(a worker that died, an unsupported model shape on this platform)"
+    ),
 }

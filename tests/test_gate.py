@@ -63,9 +63,15 @@ HEAD_0_33 = [
     "INFO:     Application startup complete.",
 ]
 
+WORKER_LAUNCHING = (
+    "(MainProcess pid=7) INFO 09-18 02:00:02 [serve.py:224] Launching vLLM (v0.33.1) headless "
+    "multiproc executor, with head node address 10.77.0.11:29501 for torch.distributed process "
+    "group."
+)
 WORKER_JOIN = (
-    "INFO 09-18 02:00:02 [api_server.py:1200] Launching vLLM (v0.33.1) headless multiproc "
-    "executor, with head node address 10.77.0.11:29501 for torch.distributed process group."
+    "(Worker pid=9) INFO 09-18 02:00:30 [parallel_state.py:2350] rank 1 in world size 2 is "
+    "assigned as DP rank 0, PP rank 0, PCP rank 0, TP rank 1, ETP rank 1, EP rank N/A, EPLB rank "
+    "N/A"
 )
 
 
@@ -115,19 +121,32 @@ def test_0_33_one_line_kv_cache_form_satisfies_both_kv_markers() -> None:
 def test_missing_marker_and_unjoined_worker_are_awaited_by_name() -> None:
     watch = BootWatch(head="node1", workers=["node2"], started_at=0.0)
     feed(watch, "node1", HEAD_0_33[:3])
-    assert watch.awaited() == (
-        "node1",
-        "kv_cache_size",
-        r"GPU KV cache size: (?P<kv_cache_tokens>"
-        r"[\d][\d,]*(?:\.\d+)?) tokens",
-    )
+    awaited = watch.awaited()
+    assert awaited is not None and awaited[:2] == ("node1", "engine_initialized")
     feed(watch, "node1", HEAD_0_33[3:])
     assert not watch.complete
     awaited = watch.awaited()
     assert awaited is not None and awaited[:2] == ("node2", "headless_worker_joined")
+    # The Launching line is printed at start-up, long before the worker joined: recorded only.
+    feed(watch, "node2", [WORKER_LAUNCHING])
+    assert not watch.complete and watch.unjoined_workers() == ["node2"]
+    assert watch.timeline[-1].marker == "headless_worker_launching"
     feed(watch, "node2", [WORKER_JOIN])
+    assert watch.complete and watch.unjoined_workers() == []
+    assert (watch.timeline[-1].node, watch.timeline[-1].marker) == (
+        "node2",
+        "headless_worker_joined",
+    )
+    assert watch.timeline[-1].figures == {"rank": 1.0, "world_size": 2.0}
+
+
+def test_optional_markers_are_recorded_but_never_awaited() -> None:
+    watch = BootWatch(head="node1", workers=[], started_at=0.0)
+    required_only = [line for line in HEAD_0_33 if "Model loading" not in line]
+    required_only = [line for line in required_only if "KV cache" not in line]
+    feed(watch, "node1", required_only)
     assert watch.complete
-    assert watch.timeline[-1].node == "node2"
+    assert "model_loaded" not in {entry.marker for entry in watch.timeline}
 
 
 def test_recipe_markers_replace_the_defaults() -> None:
@@ -140,7 +159,12 @@ def test_recipe_markers_replace_the_defaults() -> None:
     watch = BootWatch(head="a", workers=[], started_at=0.0, boot_markers=glm_markers)
     feed(watch, "a", [HEAD_0_33[1], "[quantprobe] layer 45 experts algo=MXFP8", *HEAD_0_33[3:]])
     assert watch.complete
-    assert [entry.marker for entry in watch.timeline] == [m.name for m in glm_markers]
+    names = {m.name for m in glm_markers}
+    assert [entry.marker for entry in watch.timeline if entry.marker in names] == [
+        m.name for m in glm_markers
+    ]
+    # the defaults' recorded markers are still recorded (never awaited)
+    assert {entry.marker for entry in watch.timeline} - names == {"max_concurrency"}
 
 
 def test_free_memory_line_fails_naming_node_cause_and_context() -> None:
@@ -292,6 +316,8 @@ class FakeEngine:
     def __init__(self, served_name: str) -> None:
         self.served_name = served_name
         self.health_status = 200
+        self.completion_status = 200
+        self.completions: list[dict[str, object]] = []
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -309,6 +335,19 @@ class FakeEngine:
                     self.wfile.write(body)
                 else:
                     self.send_error(404)
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", "0"))
+                request = json.loads(self.rfile.read(length))
+                engine.completions.append(request)
+                if self.path != "/v1/completions" or engine.completion_status != 200:
+                    self.send_error(engine.completion_status)
+                    return
+                body = json.dumps({"choices": [{"index": 0, "text": " a"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def log_message(self, format: str, *args: object) -> None:
                 pass
@@ -360,8 +399,36 @@ def test_gate_is_ready_after_markers_and_health(engine: FakeEngine) -> None:
     events = boot_events({"node2": [WORKER_JOIN], "node1": HEAD_0_33})
     result = gate.wait(events, endpoint=engine.url, served_model_name="dsv41", timeout_s=30)
     assert result.figures["kv_cache_tokens"] == 1164369.0
-    assert result.timeline[-1].marker == "endpoint_ready"
+    assert [entry.marker for entry in result.timeline[-2:]] == [
+        "endpoint_healthy",
+        "endpoint_ready",
+    ]
     assert {entry.node for entry in result.timeline} == {"node1", "node2"}
+    assert engine.completions == [
+        {"model": "dsv41", "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    ]
+
+
+def test_gate_fails_when_the_one_completion_fails(engine: FakeEngine) -> None:
+    engine.completion_status = 500
+    gate = ReadinessGate(head="node1")
+    with pytest.raises(BootFailed) as caught:
+        gate.wait(
+            boot_events({"node1": HEAD_0_33}),
+            endpoint=engine.url,
+            served_model_name="dsv41",
+            timeout_s=30,
+        )
+    assert caught.value.kind == "completion_failed" and "500" in caught.value.cause
+    assert len(engine.completions) == 1  # asked once, not polled
+
+
+def test_a_head_exiting_with_code_0_is_a_failure() -> None:
+    watch = BootWatch(head="node1", workers=[], started_at=0.0)
+    feed(watch, "node1", HEAD_0_33[:2])
+    failure = watch.observe(ContainerExited("node1", 0, 3.0))
+    assert failure is not None and failure.kind == "container_exited"
+    assert "exited with code 0 before any teardown" in failure.cause
 
 
 def test_gate_fails_on_a_wrong_served_name(engine: FakeEngine) -> None:
@@ -391,8 +458,9 @@ def test_gate_times_out_naming_the_awaited_marker() -> None:
     with pytest.raises(BootFailed) as caught:
         gate.wait(events, endpoint=closed_port_url(), served_model_name="dsv41", timeout_s=0.5)
     error = caught.value
-    assert (error.node, error.kind) == ("node2", "timeout")
-    assert "headless_worker_joined" in error.cause and error.excerpt == ["INFO starting"]
+    assert (error.node, error.kind) == ("node2", "worker_never_joined")
+    assert "the worker(s) node2 never joined (no rank-assignment line)" in error.cause
+    assert error.excerpt[0] == "INFO starting"
 
 
 def test_gate_timeout_says_when_the_endpoint_is_up_but_a_marker_never_matched(

@@ -21,6 +21,13 @@ except ImportError:  # copied flat into the engine image
     from standin_log import VLLM_VERSION  # type: ignore[no-redef]
 
 SERVE_USAGE = "vllm serve [model_tag] [options]"
+# vLLM 0.32's top-level usage: an unknown flag of `vllm serve` is reported by the top parser.
+TOP_USAGE = (
+    "usage: vllm [-h] [-v]\n"
+    "            {chat,complete,serve,launch,bench,collect-env,download-kernels,preload,"
+    "run-batch,snapshot}\n"
+    "            ...\n"
+)
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 
 # Flags whose value is one of vLLM's config dataclasses, given as JSON.
@@ -225,7 +232,12 @@ class ServeArgumentParser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: None = None
     ) -> argparse.Namespace:
         raw = list(sys.argv[1:] if args is None else args)
-        return super().parse_args([_dash_flag(arg) for arg in raw], namespace)
+        parsed, extras = super().parse_known_args([_dash_flag(arg) for arg in raw], namespace)
+        if extras:
+            # vLLM's `vllm` parser, not `vllm serve`'s, reports them (exit 2).
+            sys.stderr.write(TOP_USAGE)
+            self.exit(2, f"vllm: error: unrecognized arguments: {' '.join(extras)}\n")
+        return parsed
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)

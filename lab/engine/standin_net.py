@@ -212,6 +212,17 @@ class HeadRendezvous:
         if was_ready and not self.closing:
             self.on_worker_lost(link.node_rank, link.host)
 
+    def wait_all_joined(self, deadline: float, timeout_s: float) -> None:
+        """Until every worker has joined (vLLM's head waits in init_process_group, silent)."""
+        with self._lock:
+            while len(self.workers) < self.nnodes - 1:
+                if self.failure is not None:
+                    raise EngineFatal([f"ERROR: worker failed during startup: {self.failure}"])
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise EngineFatal([engine_timeout_line(timeout_s)], engine_core=False)
+                self._lock.wait(min(remaining, 0.5))
+
     def wait_all_loaded(self, deadline: float, timeout_s: float) -> None:
         """Until every worker has loaded; vLLM's engine-core timeout once `deadline` passes."""
         with self._lock:
@@ -331,7 +342,7 @@ _RETRYABLE = (
 def headless_line(addr: str, port: int) -> str:
     return (
         f"Launching vLLM (v{VLLM_VERSION}) headless multiproc executor, with head node address "
-        f"tcp://{addr}:{port} for torch.distributed process group."
+        f"{addr}:{port} for torch.distributed process group."
     )
 
 

@@ -76,8 +76,11 @@ class StandinEngine:
         self.pp = args.pipeline_parallel_size or 1
         self.headless = bool(args.headless)
         self.master = (args.master_addr or "127.0.0.1", args.master_port or DEFAULT_MASTER_PORT)
+        # vLLM 0.32's process names: APIServer, EngineCore, and a worker process per rank that
+        # is "Worker" until its rank is assigned, then "Worker_TPr" when there are several.
         self.api = Logger("APIServer")
-        self.core = Logger("EngineCore_DP0")
+        self.core = Logger("EngineCore")
+        self.uvicorn = Logger("")
         self.ready_timeout_s = float(
             env.get("VLLM_ENGINE_READY_TIMEOUT_S", DEFAULT_ENGINE_READY_TIMEOUT_S)
         )
@@ -120,14 +123,23 @@ class StandinEngine:
 
     def boot(self) -> None:
         if self.headless:
-            self.core = Logger(f"Worker_TP{self.node_rank}")
+            self.core = Logger("MainProcess")
         else:
-            self.api.info("api_server.py:1839", f"vLLM API server version {VLLM_VERSION}")
-            self.api.info("utils.py:253", f"non-default args: {non_default_args(self.args)}")
+            self.api.info("api_utils.py:347", f"vLLM API server version {VLLM_VERSION}")
+            self.api.info("api_utils.py:286", f"non-default args: {non_default_args(self.args)}")
         self.check_parallel_config()
         check_node_network(self.env)
-        if not self.headless:
+        if self.headless:
+            # printed at start-up, long before this node has joined the head (vLLM 0.32)
+            self.core.info("serve.py:224", headless_line(*self.master))
+        else:
             self.server = self.bind_api_port()
+            self.core.info(
+                "core.py:133",
+                f"Initializing a V1 LLM engine (v{VLLM_VERSION}) with config: "
+                f"model={self.args.model!r}, tensor_parallel_size={self.tp}, "
+                f"pipeline_parallel_size={self.pp}",
+            )
         self.strike("startup")
         memory = model_io.DeviceMemory.from_env(self.env)
         memory.check_utilization(self.utilization)
@@ -197,10 +209,19 @@ class StandinEngine:
             lines = fatal_lines(kind, self.env, master=self.master)
             raise EngineFatal(lines, engine_core=kind != "engine_timeout")
 
+    def worker_log(self, rank: int) -> Logger:
+        """The worker process of `rank` once its rank is assigned."""
+        return Logger(f"Worker_TP{rank}" if self.tp * self.pp > 1 else "Worker")
+
     def rendezvous(self) -> None:
-        if self.nnodes == 1:
-            return
         addr, port = self.master
+        world = self.tp * self.pp
+        unassigned = Logger("Worker")
+        if self.nnodes == 1:
+            for rank in self.local_ranks():
+                self.print_process_group(unassigned, rank, world, "127.0.0.1", port)
+            self.print_rank_assignments(unassigned)
+            return
         hello = {
             "node_rank": self.node_rank,
             "nnodes": self.nnodes,
@@ -218,21 +239,33 @@ class StandinEngine:
                 on_worker_lost=self.worker_lost,
             )
             self.head.start()
+            for rank in self.local_ranks():
+                self.print_process_group(unassigned, rank, world, addr, port)
+            # vLLM's head waits here, silent, until every worker has connected.
+            self.head.wait_all_joined(self.started + self.ready_timeout_s, self.ready_timeout_s)
         else:
+            for rank in self.local_ranks():
+                self.print_process_group(unassigned, rank, world, addr, port)
             timeout = float(self.env.get("VLLM_RENDEZVOUS_TIMEOUT_S", DEFAULT_RENDEZVOUS_TIMEOUT_S))
             self.worker = WorkerRendezvous.connect(addr, port, timeout, hello)
-            self.core.info("core.py:1012", headless_line(addr, port))
+        self.print_rank_assignments(unassigned)
+
+    def print_process_group(self, log: Logger, rank: int, world: int, addr: str, port: int) -> None:
+        log.info(
+            "parallel_state.py:1906",
+            f"world_size={world} rank={rank} local_rank={rank % self.gpus_per_node} "
+            f"distributed_init_method=tcp://{addr}:{port} backend=nccl",
+        )
+
+    def print_rank_assignments(self, log: Logger) -> None:
+        """vLLM's line once the process group has formed: this rank has joined."""
         world = self.tp * self.pp
         for rank in self.local_ranks():
-            self.core.info(
-                "parallel_state.py:1208",
-                f"world_size={world} rank={rank} local_rank={rank % self.gpus_per_node} "
-                f"distributed_init_method=tcp://{addr}:{port} backend=nccl",
-            )
-            self.core.info(
-                "parallel_state.py:1411",
+            log.info(
+                "parallel_state.py:2350",
                 f"rank {rank} in world size {world} is assigned as DP rank 0, PP rank "
-                f"{rank // self.tp}, TP rank {rank % self.tp}, EP rank {rank % self.tp}",
+                f"{rank // self.tp}, PCP rank 0, TP rank {rank % self.tp}, ETP rank "
+                f"{rank % self.tp}, EP rank N/A, EPLB rank N/A",
             )
 
     @property
@@ -262,10 +295,10 @@ class StandinEngine:
         elapsed = time.monotonic() - load_started
         weights_gib = model.dense_bytes() / self.tp / model_io.GIB
         for rank in self.local_ranks():
-            worker = Logger(f"Worker_TP{rank}") if self.gpus_per_node > 1 else self.core
-            worker.info("default_loader.py:291", f"Loading weights took {elapsed:.2f} seconds")
+            worker = self.worker_log(rank)
+            worker.info("default_loader.py:501", f"Loading weights took {elapsed:.2f} seconds")
             worker.info(
-                "gpu_model_runner.py:2602",
+                "gpu_model_runner.py:5150",
                 f"Model loading took {weights_gib:.4f} GiB memory and {elapsed:.6f} seconds",
             )
         algo = self.env.get("STANDIN_QUANTPROBE")
@@ -301,18 +334,18 @@ class StandinEngine:
             block_size=self.args.block_size or 16,
             kv_cache_dtype=self.args.kv_cache_dtype,
         )
-        self.core.info(
-            "gpu_worker.py:298", f"Available KV cache memory: {plan.available_gib:.2f} GiB"
+        self.worker_log(0).info(
+            "gpu_worker.py:760", f"Available KV cache memory: {plan.available_gib:.2f} GiB"
         )
         self.core.info(
-            "kv_cache_utils.py:1087",
+            "kv_cache_utils.py:2327",
             f"GPU KV cache size: {plan.tokens:,} tokens, Maximum concurrency for "
             f"{plan.max_model_len:,} tokens per request: {plan.concurrency:.2f}x",
         )
         self.core.info(
-            "core.py:259",
+            "core.py:402",
             "init engine (profile, create kv cache, warmup model) took "
-            f"{time.monotonic() - self.started:.2f} seconds",
+            f"{time.monotonic() - self.started:.2f} s",
         )
         return plan
 
@@ -343,8 +376,8 @@ class StandinEngine:
         )
         self.state = EngineState(config, faults)
         host, port = self.server.server_name, self.server.server_port
-        self.api.info("api_server.py:1972", f"Starting vLLM server on http://{host}:{port}")
-        self.api.info("launcher.py:36", "Available routes are:")
+        self.api.info("entry.py:140", f"Starting vLLM server on http://{host}:{port}")
+        self.api.info("launcher.py:186", "Available routes are:")
         for route, methods in (
             ("/health", "GET"),
             ("/v1/models", "GET"),
@@ -354,11 +387,12 @@ class StandinEngine:
             ("/v1/chat/completions", "POST"),
             ("/v1/completions", "POST"),
         ):
-            self.api.info("launcher.py:44", f"Route: {route}, Methods: {methods}")
+            self.api.info("launcher.py:195", f"Route: {route}, Methods: {methods}")
         self.server.start_listening(self.state)
-        self.api.raw(f"INFO:     Started server process [{os.getpid()}]")
-        self.api.raw("INFO:     Waiting for application startup.")
-        self.api.raw("INFO:     Application startup complete.")
+        # uvicorn's own lines carry no process prefix
+        self.uvicorn.raw(f"INFO:     Started server process [{os.getpid()}]")
+        self.uvicorn.raw("INFO:     Waiting for application startup.")
+        self.uvicorn.raw("INFO:     Application startup complete.")
 
     # -- after the boot -----------------------------------------------------------------------
 
@@ -398,21 +432,35 @@ class StandinEngine:
             return 1
 
     def worker_lost(self, node_rank: int, host: str) -> None:
+        # vLLM 0.32: TP rank 0's gloo pair reports the peer, then the engine core dies.
+        gloo = (
+            "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
+            f" Connection closed by peer [{host}]:{29500 + node_rank}. This is typically caused "
+            "by a remote worker crashing. Check the logs of the remote worker before reporting "
+            "an error."
+        )
+        worker = self.worker_log(0)
+        worker.error("multiproc_executor.py:1063", "WorkerProc hit an exception.")
+        worker.error("multiproc_executor.py:1063", gloo)
         self.engine_died(f"the worker on node rank {node_rank} ({host}) is gone")
 
     def engine_died(self, cause: str) -> None:
-        """The engine core is dead: /health answers 503, then the server exits (vLLM's way)."""
+        """The engine core is dead: /health answers 503, then the server exits with status 0
+        (vLLM's way: its API server finishes normally once the engine is gone)."""
         if self.state is not None:
             self.state.dead = True
-        self.core.error("core.py:932", f"EngineCore encountered a fatal error: {cause}")
-        self.api.error("async_llm.py:480", "AsyncLLM output_handler failed.")
-        self.api.raw(f"vllm.v1.engine.exceptions.EngineDeadError: {ENGINE_DEAD}")
+        self.core.error("core.py:1512", "EngineCore encountered a fatal error.")
+        self.core.error("core.py:1512", f"RuntimeError: {cause}")
+        self.api.error("async_llm.py:906", "AsyncLLM output_handler failed.")
+        self.api.error(
+            "async_llm.py:906", f"vllm.v1.engine.exceptions.EngineDeadError: {ENGINE_DEAD}"
+        )
         grace = float(self.env.get("STANDIN_DEAD_EXIT_S", "1.0"))
-        threading.Timer(grace, self.stop, args=(1,)).start()
+        threading.Timer(grace, self.stop, args=(0,)).start()
 
     def stop(self, code: int) -> None:
         self.exit_code = code
-        self.api.info("launcher.py:110", "Shutting down FastAPI HTTP server.")
+        self.uvicorn.raw(f"INFO:     Finished server process [{os.getpid()}]")
         self.stopped.set()
 
     def fail(self, fatal: EngineFatal) -> int:
