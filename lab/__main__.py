@@ -1,6 +1,7 @@
 """`python -m lab up [--nodes N] [--name NAME]`, `python -m lab down [--name NAME]`,
 `python -m lab status [--name NAME]`, `python -m lab image [--name NAME]`,
-`python -m lab models [--name NAME]` (the lab recipes' models, into the lab hub)."""
+`python -m lab models [--name NAME]` (the lab recipes' models, into the lab hub),
+`python -m lab real-engine [--name NAME]` (real vLLM's CPU build: runtime, image and model)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from lab.cluster import Lab
 from lab.image import build_engine_image
 from lab.layout import DEFAULT_NAME, DEFAULT_NODES
 from lab.models import publish_lab_models
+from lab.vllm_runtime import prepare_real_engine
 from sparkdeploy.errors import SparkDeployError
 
 
@@ -26,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         ("status", "addresses and processes of the lab, as JSON"),
         ("image", "build the engine stand-in image and push it to the lab registry"),
         ("models", "generate the lab recipes' model repos into the lab hub"),
+        (
+            "real-engine",
+            "install real vLLM's CPU build (cached), push its image and publish its model",
+        ),
     ):
         commands.add_parser(command, help=help_text).add_argument("--name", default=DEFAULT_NAME)
     options = parser.parse_args(argv)
@@ -47,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
             published = publish_lab_models(Lab.existing(options.name).hub_repos_dir)
             for repo in published.values():
                 print(f"{repo.repo_id}: {len(repo.files)} files, {repo.total_bytes} bytes")
+        elif options.command == "real-engine":
+            engine = prepare_real_engine(Lab.existing(options.name))
+            print(f"real engine ready: image {engine.image}, runtime {engine.runtime}")
         else:
             print(build_engine_image(Lab.existing(options.name)))
     except SparkDeployError as error:

@@ -36,12 +36,14 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from lab.layout import (
+    CONTAINER_RUNTIMES_DIR,
     DEFAULT_NAME,
     DEFAULT_NODES,
     FABRIC_NETDEV,
     HUB_PORT,
     REGISTRY_PORT,
     LabLayout,
+    runtimes_dir,
 )
 from sparkdeploy.errors import LabError
 from sparkdeploy.node_probe import EngineApi
@@ -217,6 +219,7 @@ class Lab:
         (layout.nas_dir / "hf-cache").mkdir(parents=True, exist_ok=True)
         (layout.nas_dir / "runs").mkdir(parents=True, exist_ok=True)
         layout.hub_repos_dir.mkdir(parents=True, exist_ok=True)
+        runtimes_dir().mkdir(parents=True, exist_ok=True)
         client = _KeyPair.generate()
         _write(layout.identity_file, client.private_openssh, 0o600)
         _write(layout.identity_file.with_suffix(".pub"), client.public_line + "\n")
@@ -532,7 +535,11 @@ class Lab:
                 "[docker]",
                 {
                     "gpus": "",
-                    "run_options": [],
+                    # The real engine's runtime (lab.vllm_runtime), read-only in every container.
+                    "run_options": [
+                        "--volume",
+                        f"{runtimes_dir()}:{CONTAINER_RUNTIMES_DIR}:ro",
+                    ],
                     # No RDMA in the lab, and the sandbox may not raise the memlock hard limit.
                     "ulimits": {"stack": "67108864"},
                     "registry": layout.registry,

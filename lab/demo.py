@@ -3,9 +3,11 @@
 `python -m lab.demo` (what `scripts/demo` runs): the 3-node lab up, the engine image and the lab
 models published, a local Prefect server (SQLite under .prefect/) and a process worker started,
 the deployments registered, then `prefect deployment run 'deploy/deploy'` of the DSV4.1-shaped
-lab recipe. It prints the endpoint, a sample answer and the run's UI address, and leaves the
-deployment, the server and the worker running for a look around. `python -m lab.demo down`
-stops all of it (by the PIDs recorded in .prefect/demo.json) and tears the lab down.
+lab recipe (with `--real`: real vLLM's CPU build, two nodes, tensor parallel 2; its runtime, image
+and model are installed first, once per machine). It prints the endpoint, a sample answer and the
+run's UI address, and leaves the deployment, the server and the worker running for a look around.
+`python -m lab.demo down` stops all of it (by the PIDs recorded in .prefect/demo.json) and tears
+the lab down.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import signal
 import sys
 import time
 
+from lab.chat_model import CHAT_MODEL_REPO
 from lab.cluster import Lab
 from lab.image import build_engine_image
 from lab.models import publish_lab_models
@@ -28,11 +31,14 @@ from lab.prefect_local import (
     run_prefect,
     start_worker,
 )
+from lab.vllm_runtime import prepare_real_engine
 from sparkdeploy import engine_http
 from sparkdeploy.errors import SparkDeployError
 from sparkdeploy.project import load_plan
+from sparkdeploy.smoke import CANARIES
 
 DEMO_RECIPE = "lab-dsv41-3x"
+REAL_DEMO_RECIPE = "real-lab-2x"
 LAB_NAME = "lab"
 PREFECT_HOME = PROJECT_ROOT / ".prefect"
 STATE_FILE = PREFECT_HOME / "demo.json"
@@ -72,13 +78,19 @@ def _stop_recorded() -> None:
     STATE_FILE.unlink()
 
 
-def up() -> int:
+def up(*, real: bool = False) -> int:
     _stop_recorded()
     started = time.monotonic()
+    recipe = REAL_DEMO_RECIPE if real else DEMO_RECIPE
     lab = Lab(LAB_NAME, 3)
     _say(f"lab {LAB_NAME!r} up in {lab.up():.1f} s: nodes {', '.join(lab.nodes)}")
     _say(f"engine image {build_engine_image(lab)} in the lab registry {lab.registry}")
-    models = publish_lab_models(lab.hub_repos_dir)
+    models = list(publish_lab_models(lab.hub_repos_dir))
+    if real:
+        _say("real vLLM: runtime, image and model (the first time: ~5 min, 3 GB of disk)")
+        engine = prepare_real_engine(lab, progress=_say)
+        models.append(CHAT_MODEL_REPO)
+        _say(f"real engine image {engine.image}; runtime {engine.runtime}")
     _say(f"lab hub {lab.hub_url} serves {', '.join(models)}")
 
     server = PrefectServer(PREFECT_HOME, port=SERVER_PORT)
@@ -90,14 +102,14 @@ def up() -> int:
     STATE_FILE.write_text(json.dumps({"server": server.pid, "worker": worker.pid}))
     _say("deployments registered; worker started (log: .prefect/worker.log)")
 
-    _say(f"prefect deployment run 'deploy/deploy' -p recipe={DEMO_RECIPE} -p cluster={LAB_NAME}")
+    _say(f"prefect deployment run 'deploy/deploy' -p recipe={recipe} -p cluster={LAB_NAME}")
     result = run_prefect(
         server.env(),
         "deployment",
         "run",
         "deploy/deploy",
         "-p",
-        f"recipe={DEMO_RECIPE}",
+        f"recipe={recipe}",
         "-p",
         f"cluster={LAB_NAME}",
         "--watch",
@@ -107,23 +119,23 @@ def up() -> int:
     )
     match = _FLOW_RUN_ID.search(result.stdout)
     run_url = f"{server.ui_url}/runs/flow-run/{match.group(1)}" if match else server.ui_url
-    plan = load_plan(DEMO_RECIPE, LAB_NAME)
+    plan = load_plan(recipe, LAB_NAME)
     reply = engine_http.request(
         "POST",
         f"{plan.endpoint}/v1/chat/completions",
         timeout=30,
         json_body={
             "model": plan.served_model_name,
-            "messages": [{"role": "user", "content": "What is 127*43?"}],
+            "messages": [{"role": "user", "content": CANARIES[0].prompt}],
             "temperature": 0,
         },
     ).json()
     answer = reply["choices"][0]["message"]["content"]
     print(
-        f"\nDeployed {DEMO_RECIPE} on lab nodes {', '.join(n.node for n in plan.nodes)} in "
+        f"\nDeployed {recipe} on lab nodes {', '.join(n.node for n in plan.nodes)} in "
         f"{time.monotonic() - started:.0f} s.\n"
         f"  endpoint:  {plan.endpoint} (model {plan.served_model_name!r})\n"
-        f"  asked:     What is 127*43?\n"
+        f"  asked:     {CANARIES[0].prompt}\n"
         f"  answered:  {answer}\n"
         f"  the run:   {run_url}\n"
         f"  Prefect:   {server.ui_url}\n"
@@ -142,9 +154,14 @@ def down() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lab.demo", description=__doc__)
     parser.add_argument("command", nargs="?", choices=("up", "down"), default="up")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="deploy real vLLM (CPU build, 2 nodes, TP 2) instead of the stand-in",
+    )
     options = parser.parse_args(argv)
     try:
-        return up() if options.command == "up" else down()
+        return up(real=options.real) if options.command == "up" else down()
     except SparkDeployError as error:
         print(f"demo: error: {error}", file=sys.stderr)
         return 1

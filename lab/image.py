@@ -25,7 +25,7 @@ import tarfile
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -296,7 +296,7 @@ def engine_root_tar(inputs: ImageInputs) -> bytes:
     return root.write()
 
 
-def _registry_digest(lab: Lab, repository: str, tag: str) -> str | None:
+def registry_digest(lab: Lab, repository: str, tag: str) -> str | None:
     request = urllib.request.Request(
         f"http://{lab.registry}/v2/{repository}/manifests/{tag}",
         method="HEAD",
@@ -318,6 +318,45 @@ def _registry_digest(lab: Lab, repository: str, tag: str) -> str | None:
         ) from error
 
 
+def push_root_tar(
+    lab: Lab,
+    tar: Path,
+    *,
+    repository: str,
+    tag: str,
+    content_tag: str,
+    env: dict[str, str],
+    progress: Callable[[str], None] | None = None,
+) -> str:
+    """Make `repository:tag` in the lab registry the image of this root tar; returns its name.
+
+    Idempotent: the image is also tagged `content_tag` (a digest of its inputs), and nothing is
+    imported or pushed when the registry's `tag` already is that image.
+    """
+    pushed = registry_digest(lab, repository, content_tag)
+    if pushed is not None and pushed == registry_digest(lab, repository, tag):
+        return f"{repository}:{tag}"
+    if progress is not None:
+        progress(f"importing {tar.name} ({tar.stat().st_size / 2**20:.0f} MiB) as {repository}")
+    docker = ["docker", "-H", f"unix://{lab.docker_socket(lab.nodes[0])}"]
+    local_name = f"{lab.registry}/{repository}"
+    changes = [f"--change=ENV {key}={value}" for key, value in env.items()]
+    changes.append(f"--change=LABEL lab.inputs-sha256={content_tag}")
+    run(
+        [*docker, "import", *changes, str(tar), f"{local_name}:{content_tag}"],
+        timeout=PUSH_TIMEOUT_S,
+    )
+    run([*docker, "tag", f"{local_name}:{content_tag}", f"{local_name}:{tag}"])
+    for name in (content_tag, tag):
+        try:
+            run([*docker, "push", f"{local_name}:{name}"], timeout=PUSH_TIMEOUT_S)
+        except LabError as error:
+            raise LabError(f"pushing {repository} to {lab.registry} failed: {error}") from error
+    if progress is not None:
+        progress(f"{repository}:{tag} pushed to the lab registry")
+    return f"{repository}:{tag}"
+
+
 def build_engine_image(lab: Lab) -> str:
     """Make `lab/vllm-standin:latest` in the lab registry hold the current stand-in.
 
@@ -326,13 +365,11 @@ def build_engine_image(lab: Lab) -> str:
     """
     inputs = ImageInputs.find()
     content_tag = inputs.fingerprint()
-    pushed = _registry_digest(lab, ENGINE_IMAGE, content_tag)
-    if pushed is not None and pushed == _registry_digest(lab, ENGINE_IMAGE, "latest"):
+    pushed = registry_digest(lab, ENGINE_IMAGE, content_tag)
+    if pushed is not None and pushed == registry_digest(lab, ENGINE_IMAGE, "latest"):
         return f"{ENGINE_IMAGE}:latest"
     cached_tar = IMAGE_CACHE_DIR / f"vllm-standin-{content_tag}.tar"
-    if cached_tar.exists():
-        tar = cached_tar.read_bytes()
-    else:
+    if not cached_tar.exists():
         tar = engine_root_tar(inputs)
         IMAGE_CACHE_DIR.mkdir(parents=True, exist_ok=True)
         for stale in IMAGE_CACHE_DIR.glob("vllm-standin-*.tar"):
@@ -340,18 +377,14 @@ def build_engine_image(lab: Lab) -> str:
         partial = cached_tar.with_suffix(".partial")
         partial.write_bytes(tar)
         partial.rename(cached_tar)
-    docker = ["docker", "-H", f"unix://{lab.docker_socket(lab.nodes[0])}"]
-    local_name = f"{lab.registry}/{ENGINE_IMAGE}"
-    changes = [f"--change=ENV {key}={value}" for key, value in IMAGE_ENV.items()]
-    changes.append(f"--change=LABEL lab.inputs-sha256={content_tag}")
-    run([*docker, "import", *changes, "-", f"{local_name}:{content_tag}"], stdin=tar)
-    run([*docker, "tag", f"{local_name}:{content_tag}", f"{local_name}:latest"])
-    for tag in (content_tag, "latest"):
-        try:
-            run([*docker, "push", f"{local_name}:{tag}"], timeout=PUSH_TIMEOUT_S)
-        except LabError as error:
-            raise LabError(f"pushing the engine image to {lab.registry} failed: {error}") from error
-    return f"{ENGINE_IMAGE}:latest"
+    return push_root_tar(
+        lab,
+        cached_tar,
+        repository=ENGINE_IMAGE,
+        tag="latest",
+        content_tag=content_tag,
+        env=IMAGE_ENV,
+    )
 
 
-__all__ = ["build_engine_image", "engine_root_tar"]
+__all__ = ["build_engine_image", "engine_root_tar", "push_root_tar", "registry_digest"]

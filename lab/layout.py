@@ -24,6 +24,16 @@ FABRIC_NETDEV = "enp1s0f1np1"
 REGISTRY_PORT = 5000
 HUB_PORT = 8080
 ENGINE_IMAGE = "lab/vllm-standin"
+# Engine runtimes installed on the host (lab.vllm_runtime), mounted read-only at this path in
+# every lab container, as a real node's image would carry its engine.
+CONTAINER_RUNTIMES_DIR = "/opt/lab-runtimes"
+
+
+def runtimes_dir() -> Path:
+    """Shared by every lab: outside their state dirs, so a new lab reuses what is installed."""
+    return lab_root() / "runtimes"
+
+
 _NAME_PATTERN = re.compile(r"[a-z][a-z0-9-]{0,19}")
 
 

@@ -61,6 +61,9 @@ def mount_private_dirs(node_dir: Path) -> None:
     mount("--bind", str(node_dir / "etc-docker"), "/etc/docker")
     mount("--bind", str(node_dir / "hosts"), "/etc/hosts")
     mount("--bind", str(node_dir / "home-root"), "/root")
+    # vLLM's processes share memory through /dev/shm (containers run with --ipc host): each node
+    # has its own, as a real one does, and what a killed engine leaves there goes with the node.
+    mount("-t", "tmpfs", "-o", "mode=1777,size=4g", "tmpfs", "/dev/shm")
 
 
 def start_dockerd(node_dir: Path) -> None:

@@ -163,6 +163,8 @@ def _probe_nodes(
         request = {
             "image": node.container.image,
             "paths": _mount_sources(node),
+            # A writable mount is the engine's own dir (a compile cache, say): made when missing.
+            "create": [m.source for m in node.container.mounts if not m.read_only],
             "gpus": bool(node.container.gpus),
             "fabric_ip": node.fabric_ip,
             "detect_rdma": node.roce_hcas == "auto" or node.gid_index == "auto",

@@ -4,9 +4,10 @@ Standard library only: sparkdeploy.node_script ships this module to the node, wh
 runs `main([mode, request_json])`; the last stdout line is the JSON answer. Modes:
 
 - `image`: {"image"} -> the image's id/size/labels (or null), docker's root dir and its free bytes.
-- `preflight`: {"image", "paths", "gpus", "fabric_ip", "detect_rdma", "drop_page_cache",
-  "stale_label"} -> the above plus missing paths, MemAvailable, GPU count, RDMA facts, whether the
-  cache was dropped, and the IDs of the containers labelled `stale_label` (running or not).
+- `preflight`: {"image", "paths", "create", "gpus", "fabric_ip", "detect_rdma",
+  "drop_page_cache", "stale_label"} -> (the `create` dirs made first) the above plus missing
+  paths, MemAvailable, GPU count, RDMA facts, whether the cache was dropped, and the IDs of the
+  containers labelled `stale_label` (running or not).
 
 docker is asked through its Engine API on the unix socket the docker CLI would use: a few
 milliseconds a question, where each start of the docker CLI (a Go binary) costs ~25 ms of CPU,
@@ -325,6 +326,8 @@ def drop_page_cache() -> None:
 
 def preflight(request: dict[str, Any]) -> dict[str, Any]:
     answer = docker_engine().facts(request["image"], request["stale_label"])
+    for path in request["create"]:
+        os.makedirs(path, exist_ok=True)
     answer["missing_paths"] = [path for path in request["paths"] if not os.path.exists(path)]
     answer["page_cache_dropped"] = False
     if request["drop_page_cache"]:

@@ -22,6 +22,7 @@ from readiness_lab import Deployment, cache_tiny_model
 
 from lab.cluster import REQUIRED_TOOLS, Lab
 from lab.prefect_local import SERVER_KEEPALIVE_S
+from lab.vllm_runtime import RealEngine, ensure_runtime, prepare_real_engine, unavailable_reason
 from sparkdeploy import ssh
 
 TEST_LAB_NAME = os.environ.get("SPARKDEPLOY_TEST_LAB", "pytest")
@@ -64,6 +65,23 @@ def lab_engine_image(lab_cluster: Lab) -> str:
     from lab.image import build_engine_image
 
     return build_engine_image(lab_cluster)
+
+
+@pytest.fixture(scope="session")
+def vllm_runtime() -> Path:
+    """Real vLLM's CPU build, installed once per machine (cached under the lab root). Skipped,
+    with the reason, only on a machine that cannot run the CPU build at all."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return ensure_runtime()
+
+
+@pytest.fixture(scope="session")
+def real_engine(lab_cluster: Lab, vllm_runtime: Path) -> RealEngine:
+    """Real vLLM's CPU build on the lab: the root file system made once per machine (cached
+    under the lab root), the image pushed to the lab registry, the model in the lab hub."""
+    return prepare_real_engine(lab_cluster)
 
 
 @pytest.fixture(scope="session")

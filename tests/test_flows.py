@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from lab_flows import nothing_runs, recipe_variant
 
 from flows.deploy import deploy
 from flows.prefetch_all import prefetch_all
@@ -23,7 +24,6 @@ from lab.prefect_local import stop_worker as stop_prefect_worker
 from sparkdeploy import engine_http
 from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import BootFailed, NodeLockError, RecipeBlocked, SmokeFailed
-from sparkdeploy.locks import holders
 from sparkdeploy.project import load_plan
 from sparkdeploy.ssh import cached_connection, close_cached
 from sparkdeploy.status import cluster_status
@@ -41,27 +41,6 @@ def cluster(lab_cluster: Lab, lab_engine_image: str) -> Iterator[str]:
     publish_lab_models(lab_cluster.hub_repos_dir)
     yield str(lab_cluster.inventory_path)
     close_cached()
-
-
-def nothing_runs(cluster: str) -> None:
-    inventory = load_cluster(Path(cluster))
-    assert cluster_status(inventory) == []
-    assert set(holders(inventory.name, [n.name for n in inventory.nodes]).values()) == {None}
-
-
-def recipe_variant(
-    tmp_path: Path, name: str, *replacements: tuple[str, str], source: Path = SINGLE
-) -> str:
-    """`source` (lab-single) with lines replaced, as <tmp>/<name>/recipe.toml; returns the
-    recipe dir."""
-    text = source.read_text()
-    for old, new in replacements:
-        assert old in text, old
-        text = text.replace(old, new, 1)
-    path = tmp_path / name / "recipe.toml"
-    path.parent.mkdir(parents=True)
-    path.write_text(text)
-    return str(path.parent)
 
 
 def with_fault(fault: str) -> tuple[str, str]:
@@ -151,7 +130,7 @@ def test_blocked_recipe_is_refused_quoting_its_reason(cluster: str) -> None:
 def test_an_engine_fault_fails_the_deploy_by_name_and_leaves_nothing(
     cluster: str, tmp_path: Path, fault: str, kind: str
 ) -> None:
-    recipe = recipe_variant(tmp_path, "lab-fault", with_fault(fault))
+    recipe = recipe_variant(tmp_path, "lab-fault", SINGLE, with_fault(fault))
     with pytest.raises(BootFailed) as failed:
         deploy(recipe, cluster=cluster, skip=["smoke"])
     assert failed.value.kind == kind
@@ -163,6 +142,7 @@ def test_a_hang_fails_on_the_readiness_timeout(cluster: str, tmp_path: Path) -> 
     recipe = recipe_variant(
         tmp_path,
         "lab-hang",
+        SINGLE,
         with_fault("hang"),
         ('VLLM_ENGINE_READY_TIMEOUT_S = "60"', 'VLLM_ENGINE_READY_TIMEOUT_S = "5"'),
     )
@@ -173,7 +153,7 @@ def test_a_hang_fails_on_the_readiness_timeout(cluster: str, tmp_path: Path) -> 
 
 
 def test_a_bad_engine_fails_the_smoke_test_and_is_rolled_back(cluster: str, tmp_path: Path) -> None:
-    recipe = recipe_variant(tmp_path, "lab-loop", with_fault("token_loop"))
+    recipe = recipe_variant(tmp_path, "lab-loop", SINGLE, with_fault("token_loop"))
     with pytest.raises(SmokeFailed, match="no_token_loops"):
         deploy(recipe, cluster=cluster)
     nothing_runs(cluster)
@@ -185,6 +165,7 @@ def test_overlapping_deployments_never_both_run(cluster: str, tmp_path: Path) ->
         two_nodes = recipe_variant(
             tmp_path,
             "lab-two",
+            SINGLE,
             ("required_nodes = 1", "required_nodes = 2"),
             ("tensor_parallel_size = 1", "tensor_parallel_size = 2"),
         )
@@ -194,7 +175,7 @@ def test_overlapping_deployments_never_both_run(cluster: str, tmp_path: Path) ->
             deploy(two_nodes, cluster=cluster, lock_timeout_s=3)
         # The nodes are held before anything is put on them: a deployment that waits for a node
         # stages, composes and starts nothing, not even on the nodes no one holds.
-        composing = recipe_variant(tmp_path, "lab-dsv41-wait", source=DSV41)
+        composing = recipe_variant(tmp_path, "lab-dsv41-wait", DSV41)
         with pytest.raises(NodeLockError, match=f"held by deployment {first.deployment_id}"):
             deploy(composing, cluster=cluster, lock_timeout_s=1)
         for node in load_plan(composing, cluster).nodes:

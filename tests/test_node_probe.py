@@ -150,7 +150,8 @@ def test_engine_api_and_cli_answer_alike_on_a_node(lab_cluster: Lab, lab_engine_
     try:
         request: dict[str, object] = {
             "image": lab_engine_image,
-            "paths": ["/", "/no/such/path"],
+            "paths": ["/", "/no/such/path", "/var/tmp/probe-made/cache"],
+            "create": ["/var/tmp/probe-made/cache"],
             "gpus": False,
             "fabric_ip": None,
             "detect_rdma": False,
@@ -160,6 +161,7 @@ def test_engine_api_and_cli_answer_alike_on_a_node(lab_cluster: Lab, lab_engine_
         through_api = _probe_on(lab_cluster, node, request)
         through_cli = _probe_on(lab_cluster, node, request, "DOCKER_CONTEXT=probe-cli")
         for answer in (through_api, through_cli):
+            # The writable mount's dir is made on the node; the others are only looked for.
             assert answer["missing_paths"] == ["/no/such/path"]
             assert answer["image"] is not None
             assert len(answer["stale_containers"]) == 1  # type: ignore[arg-type]
@@ -178,3 +180,4 @@ def test_engine_api_and_cli_answer_alike_on_a_node(lab_cluster: Lab, lab_engine_
     finally:
         connection.run(["docker", "rm", "--force", "probe-labelled"], timeout=60, check=False)
         connection.run(["docker", "context", "rm", "--force", "probe-cli"], timeout=60, check=False)
+        connection.run(["rm", "-r", "/var/tmp/probe-made"], timeout=60, check=False)

@@ -1,0 +1,141 @@
+"""The lab's trained chat model: the host side (cache, fingerprint, publish) without torch, and
+one real training run with the vLLM runtime's Python when there is one."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab import chat_model
+from lab.chat_model import (
+    MARKER,
+    MODEL_FILES,
+    SMOKE_SOURCE,
+    chat_model_fingerprint,
+    ensure_chat_model,
+    lessons,
+    publish_chat_model,
+)
+from lab.hub import RepoIndex
+from lab.vllm_runtime import model_cache_dir
+from sparkdeploy import smoke
+from sparkdeploy.errors import LabError
+
+RUNTIME_VERSION = "3.11.2 torch==test transformers==test"
+
+
+def _fake_python(path: Path, body: str) -> Path:
+    """A stand-in for the runtime's Python: a shell script."""
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def _fake_model(model_dir: Path) -> None:
+    model_dir.mkdir(parents=True)
+    for name in MODEL_FILES:
+        (model_dir / name).write_text("{}\n" if name.endswith(".json") else name)
+
+
+def test_lessons_are_the_smoke_prompts_and_their_answers_pass_the_smoke() -> None:
+    taught = {lesson.name: lesson for lesson in lessons()}
+    for canary in smoke.CANARIES:
+        assert taught[canary.name].prompt == canary.prompt
+        assert canary.is_answer(taught[canary.name].answer)
+    assert taught["long_prompt"].prompt == smoke.LONG_PROMPT
+    assert taught["streaming"].prompt == smoke.STREAM_PROMPT
+    assert taught["exact_copy"].answer == smoke.COPY_SENTENCE
+    for lesson in taught.values():
+        assert chat_model.answer_problem(lesson, lesson.answer) is None, lesson.name
+    assert chat_model.answer_problem(taught["exact_copy"], "The keeper polished") is not None
+
+
+def test_fingerprint_changes_with_the_smoke_prompts_and_the_runtime(tmp_path: Path) -> None:
+    edited = tmp_path / "smoke.py"
+    edited.write_text(SMOKE_SOURCE.read_text().replace("What is 127*43?", "What is 127*44?"))
+    here = Path(chat_model.__file__)
+    base = chat_model_fingerprint(RUNTIME_VERSION)
+    assert base == chat_model_fingerprint(RUNTIME_VERSION, (here, SMOKE_SOURCE))
+    assert chat_model_fingerprint(RUNTIME_VERSION, (here, edited)) != base
+    assert chat_model_fingerprint(RUNTIME_VERSION + " tokenizers==x") != base
+
+
+def test_ensure_reuses_a_complete_cache_entry_without_running_anything(tmp_path: Path) -> None:
+    never = _fake_python(tmp_path / "python", "echo ran >&2; exit 3")
+    cached = tmp_path / "cache" / chat_model_fingerprint(RUNTIME_VERSION)
+    _fake_model(cached)
+    (cached / MARKER).write_text("{}\n")
+    found = ensure_chat_model(never, tmp_path / "cache", runtime_version=RUNTIME_VERSION)
+    assert found == cached
+
+
+def test_ensure_trains_into_the_cache_when_the_entry_is_incomplete(tmp_path: Path) -> None:
+    # Writes every model file into the directory it is given, as `-m lab.chat_model DIR` does.
+    script = " ".join(f'&& echo x > "$3/{name}"' for name in MODEL_FILES)
+    fake = _fake_python(tmp_path / "python", f'test "$2" = lab.chat_model {script} && echo done')
+    cache = tmp_path / "cache"
+    stale = cache / chat_model_fingerprint(RUNTIME_VERSION)
+    stale.mkdir(parents=True)  # an interrupted run: no marker
+    found = ensure_chat_model(fake, cache, runtime_version=RUNTIME_VERSION)
+    assert found == stale
+    assert json.loads((found / MARKER).read_text())["summary"] == "done"
+    assert sorted(path.name for path in cache.iterdir()) == [found.name]
+
+
+def test_ensure_quotes_the_trainers_stderr_when_it_fails(tmp_path: Path) -> None:
+    fake = _fake_python(tmp_path / "python", "echo 'No module named torch' >&2; exit 1")
+    with pytest.raises(LabError, match=r"(?s)failed \(exit 1\).*No module named torch"):
+        ensure_chat_model(fake, tmp_path / "cache", runtime_version=RUNTIME_VERSION)
+    assert list((tmp_path / "cache").iterdir()) == []  # no staging left behind
+
+
+def test_ensure_says_which_python_cannot_report_its_versions(tmp_path: Path) -> None:
+    fake = _fake_python(tmp_path / "python", "echo 'broken venv' >&2; exit 1")
+    with pytest.raises(LabError, match=r"(?s)cannot tell its torch.*broken venv"):
+        ensure_chat_model(fake, tmp_path / "cache")
+
+
+def test_runtime_versions_come_from_the_given_python() -> None:
+    # The project's own Python has no torch: the query fails, naming that Python.
+    with pytest.raises(LabError, match=sys.executable):
+        chat_model.runtime_versions(Path(sys.executable))
+
+
+def test_publish_replaces_the_repo_and_indexes_it(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    _fake_model(model)
+    repos = tmp_path / "repos"
+    old = repos / "lab" / "tiny-llama-chat"
+    old.mkdir(parents=True)
+    (old / "stale.bin").write_text("old")
+    repo = publish_chat_model(repos, model)
+    assert repo.path == old and repo.repo_id == "lab/tiny-llama-chat"
+    assert sorted(path.name for path in old.iterdir()) == sorted(MODEL_FILES)
+    assert repo.shards == ("model.safetensors",)
+    state = RepoIndex(repos).state("lab/tiny-llama-chat")
+    assert state is not None
+    with pytest.raises(LabError, match="no complete chat model"):
+        publish_chat_model(repos, tmp_path / "nothing")
+
+
+@pytest.mark.real_engine
+def test_really_trains_and_answers_every_smoke_prompt(vllm_runtime: Path) -> None:
+    """With the runtime's torch, into the lab's model cache (the real engine's tests serve it)."""
+    python = vllm_runtime / "bin" / "python"
+    model_dir = ensure_chat_model(python, model_cache_dir())
+    summary = json.loads((model_dir / MARKER).read_text())["summary"]
+    for lesson in lessons():
+        assert json.dumps(lesson.answer) in summary, lesson.name
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["torch_dtype"] == "float32"
+    assert config["head_dim"] in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+    assert config["num_attention_heads"] % 2 == 0 and config["num_key_value_heads"] % 2 == 0
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert tokenizer_config["eos_token"] == chat_model.EOS_TOKEN
+    assert "chat_template" in tokenizer_config
+    assert ensure_chat_model(python, model_cache_dir()) == model_dir  # cached now
