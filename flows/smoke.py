@@ -6,11 +6,17 @@ from prefect import flow
 
 from sparkdeploy.smoke import SmokeReport
 from tasks.smoke import smoke_test
-from tasks.watchdog import running_plans
+from tasks.watchdog import diagnose_deployment, running_plans
 
 
 @flow(name="smoke", flow_run_name="smoke watchdog on {cluster}")
 def smoke(cluster: str = "lab") -> list[SmokeReport]:
-    """Every running deployment smoke-tested; the run fails if any of them fails a check."""
-    futures = [smoke_test.submit(plan) for plan in running_plans(cluster)]
+    """Every running deployment smoke-tested; the run fails if any of them fails a check, with
+    the node and cause named when the nodes show one (a worker died, the head exited)."""
+    plans = running_plans(cluster)
+    futures = [smoke_test.submit(plan) for plan in plans]
+    for plan, future in zip(plans, futures, strict=True):
+        future.wait()
+        if future.state.is_failed():
+            diagnose_deployment(plan)
     return [future.result() for future in futures]

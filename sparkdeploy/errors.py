@@ -57,12 +57,8 @@ class ComposeError(SparkDeployError):
     """A node's composed HF cache (NAS symlinks + local hardlinks) cannot be built."""
 
 
-class BootFailed(SparkDeployError):
-    """An engine did not become ready: a fatal log line, a container exit, or the timeout.
-
-    `kind` is the failure marker's name or one of oom_killed, container_exited, timeout,
-    served_name_mismatch; `excerpt` holds the quoted log lines.
-    """
+class EngineFailure(SparkDeployError):
+    """An engine failure with a name: `kind`, the node it is on, the cause and the quoted log."""
 
     def __init__(self, message: str, *, node: str, kind: str, cause: str, excerpt: list[str]):
         super().__init__(message)
@@ -74,15 +70,29 @@ class BootFailed(SparkDeployError):
     def __reduce__(self) -> tuple[object, ...]:
         # Prefect pickles exceptions; the default reduce would call __init__(message) alone.
         return (
-            _rebuild_boot_failed,
-            (str(self), self.node, self.kind, self.cause, self.excerpt),
+            _rebuild_engine_failure,
+            (type(self), str(self), self.node, self.kind, self.cause, self.excerpt),
         )
 
 
-def _rebuild_boot_failed(
-    message: str, node: str, kind: str, cause: str, excerpt: list[str]
-) -> BootFailed:
-    return BootFailed(message, node=node, kind=kind, cause=cause, excerpt=excerpt)
+def _rebuild_engine_failure(
+    cls: type[EngineFailure], message: str, node: str, kind: str, cause: str, excerpt: list[str]
+) -> EngineFailure:
+    return cls(message, node=node, kind=kind, cause=cause, excerpt=excerpt)
+
+
+class BootFailed(EngineFailure):
+    """An engine did not become ready: a fatal log line, a container exit, or the timeout.
+
+    `kind` is the failure marker's name or one of oom_killed, container_exited, timeout,
+    served_name_mismatch, worker_never_joined, completion_failed; `excerpt` holds the quoted
+    log lines.
+    """
+
+
+class DeploymentDown(EngineFailure):
+    """A deployment that was ready has stopped serving: a container gone or exited, or a fatal
+    line in the head's log (the smoke watchdog's finding)."""
 
 
 class SmokeFailed(SparkDeployError):

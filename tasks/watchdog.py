@@ -1,14 +1,18 @@
-"""Prefect task: the plans of what runs on a cluster, for the smoke watchdog."""
+"""Prefect tasks of the smoke watchdog: what runs on a cluster, and why a deployment is down."""
 
 from __future__ import annotations
 
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.cluster import load_cluster
+from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.plan import Plan
 from sparkdeploy.project import find_cluster
 from sparkdeploy.status import cluster_status
+from sparkdeploy.watchdog import diagnose, node_states
+from tasks.common import artifact_key, retry_only
 
 
 @task(name="running-deployments")
@@ -24,3 +28,26 @@ def running_plans(cluster: str) -> list[Plan]:
         else:
             plans.append(status.plan)
     return plans
+
+
+@task(
+    name="diagnose",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_only(TransientRemoteError),
+)
+def diagnose_deployment(plan: Plan) -> None:
+    """After a failed smoke test: DeploymentDown naming the node and cause, when the containers'
+    states or the head's log show one (else the smoke test's own failure stands)."""
+    logger = get_run_logger()
+    down = diagnose(plan, node_states(plan))
+    if down is None:
+        logger.info("%s: every container runs and the head's log has no fatal line", plan.recipe)
+        return
+    create_markdown_artifact(
+        key=artifact_key("down", plan.deployment_id),
+        markdown=f"```\n{down}\n```",
+        description=f"{plan.deployment_id} is down: {down.node} ({down.kind})",
+    )
+    logger.error("%s", down)
+    raise down
