@@ -97,6 +97,8 @@ def deploy(
         if not (booted and keep_on_failure):
             teardown_deployment(plan.deployment_id, plan.cluster)
         raise
-    summary = DeploySummary.of(plan, clock.durations(), ready_after_s=gate.ready_after_s)
+    summary = DeploySummary.of(
+        plan, clock.durations(), ready_after_s=gate.ready_after_s, timeline=gate.timeline
+    )
     publish_summary(summary)
     return summary

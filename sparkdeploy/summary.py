@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from pydantic import BaseModel
 
+from sparkdeploy.gate import TimelineEntry
 from sparkdeploy.plan import Plan
+from sparkdeploy.smoke import CANARIES
 
 
 class StepClock:
@@ -46,11 +48,19 @@ class DeploySummary(BaseModel):
     nodes: list[NodeRow]
     step_seconds: dict[str, float]
     ready_after_s: float | None
+    # The head's boot markers: seconds from the gate's start (the containers' start) to each.
+    head_markers_s: dict[str, float] = {}
 
     @classmethod
     def of(
-        cls, plan: Plan, step_seconds: dict[str, float], *, ready_after_s: float | None
+        cls,
+        plan: Plan,
+        step_seconds: dict[str, float],
+        *,
+        ready_after_s: float | None,
+        timeline: Sequence[TimelineEntry] = (),
     ) -> DeploySummary:
+        head = next(node.node for node in plan.nodes if node.role == "head")
         return cls(
             deployment_id=plan.deployment_id,
             recipe=plan.recipe,
@@ -69,6 +79,9 @@ class DeploySummary(BaseModel):
             ],
             step_seconds=step_seconds,
             ready_after_s=ready_after_s,
+            head_markers_s={
+                entry.marker: entry.seconds for entry in timeline if entry.node == head
+            },
         )
 
     def markdown(self) -> str:
@@ -91,6 +104,9 @@ class DeploySummary(BaseModel):
         ]
         if self.ready_after_s is not None:
             lines += ["", f"The engine was ready {self.ready_after_s:.1f} s after the gate began."]
+        if self.head_markers_s:
+            lines += ["", "| head's boot marker | seconds |", "|---|---|"]
+            lines += [f"| {name} | {sec:.1f} |" for name, sec in self.head_markers_s.items()]
         lines += [
             "",
             "Try it:",
@@ -98,7 +114,7 @@ class DeploySummary(BaseModel):
             "```",
             f"curl {self.endpoint}/v1/chat/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{self.served_model_name}", '
-            '"messages": [{"role": "user", "content": "What is 127*43?"}]}\'',
+            f'"messages": [{{"role": "user", "content": "{CANARIES[0].prompt}"}}]}}\'',
             "```",
         ]
         return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""Real vLLM (PyPI's CPU build, 0.32.0) deployed on the lab through the same pipeline.
+
+The two-node recipe goes through a Prefect worker and `prefect deployment run`, answers the
+smoke test's canaries, and a worker killed after ready is caught by the watchdog and named.
+The start-up failures real vLLM has are each seen on a real boot: named, quoted, nothing left.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from lab_flows import nothing_runs, recipe_variant
+
+from flows.deploy import deploy
+from flows.smoke import smoke
+from flows.teardown import teardown
+from lab.cluster import Lab
+from lab.prefect_local import PROJECT_ROOT, register_deployments, run_prefect, start_worker
+from lab.prefect_local import stop_worker as stop_prefect_worker
+from lab.vllm_runtime import RealEngine
+from sparkdeploy import engine_http
+from sparkdeploy.cluster import load_cluster
+from sparkdeploy.errors import BootFailed, SparkDeployError
+from sparkdeploy.project import load_plan
+from sparkdeploy.smoke import CANARIES
+from sparkdeploy.ssh import cached_connection, close_cached
+from sparkdeploy.status import cluster_status
+from sparkdeploy.targets import node_target
+
+pytestmark = [pytest.mark.lab, pytest.mark.real_engine, pytest.mark.usefixtures("prefect_harness")]
+
+REAL_1X = PROJECT_ROOT / "recipes" / "real-lab-1x" / "recipe.toml"
+REAL_2X = PROJECT_ROOT / "recipes" / "real-lab-2x" / "recipe.toml"
+
+
+@pytest.fixture(scope="module")
+def cluster(lab_cluster: Lab, real_engine: RealEngine) -> Iterator[str]:
+    yield str(lab_cluster.inventory_path)
+    close_cached()
+
+
+def ask(endpoint: str, model: str, prompt: str) -> str:
+    reply = engine_http.request(
+        "POST",
+        f"{endpoint}/v1/chat/completions",
+        timeout=120,
+        json_body={
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+        },
+    )
+    assert reply.status == 200, reply.body
+    return str(reply.json()["choices"][0]["message"]["content"])
+
+
+def docker_on(cluster: str, node: str, *argv: str) -> str:
+    plan_node = next(n for n in load_plan("real-lab-2x", cluster).nodes if n.node == node)
+    result = cached_connection(node_target(plan_node)).run(["docker", *argv], timeout=60)
+    return result.stdout
+
+
+def test_two_nodes_deploy_through_prefect_and_a_killed_worker_is_named(
+    cluster: str, prefect_harness: Path, tmp_path: Path
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "PREFECT_HOME": str(prefect_harness),
+    }
+    register_deployments(env)
+    worker = start_worker(env, tmp_path / "worker.log")
+    try:
+        run_prefect(
+            env,
+            "deployment",
+            "run",
+            "deploy/deploy",
+            "-p",
+            "recipe=real-lab-2x",
+            "-p",
+            f"cluster={cluster}",
+            "--watch",
+            "--watch-timeout",
+            "900",
+            timeout=960,
+        )
+    except subprocess.SubprocessError:
+        print((tmp_path / "worker.log").read_text()[-8000:])
+        raise
+    finally:
+        stop_prefect_worker(worker)
+    plan = load_plan("real-lab-2x", cluster)
+    for canary in CANARIES:
+        assert canary.is_answer(ask(plan.endpoint, plan.served_model_name, canary.prompt))
+    [running] = cluster_status(load_cluster(Path(cluster)))
+    assert running.recipe == "real-lab-2x" and running.healthy
+    assert running.nodes == ["node1", "node2"]
+
+    # Real vLLM's head does not notice a dead worker: /health stays 200. The watchdog's real
+    # requests find it, and the head's log and the worker's exit name the node.
+    docker_on(cluster, "node2", "kill", plan.nodes[1].container.name)
+    with pytest.raises(SparkDeployError) as caught:
+        smoke(cluster=cluster)
+    message = str(caught.value)
+    assert "node2" in message, message
+
+    teardown("real-lab-2x", cluster=cluster)
+    runs = load_cluster(Path(cluster)).nas.runs_dir
+    kept = sorted(Path(runs, plan.deployment_id).rglob("*.log"))
+    assert [log.name for log in kept if "node1" in log.name], kept
+    nothing_runs(cluster)
+
+
+@pytest.mark.parametrize(
+    ("name", "replacement", "kind", "evidence"),
+    [
+        (
+            "unknown-flag",
+            ('"--max-num-seqs", "8",', '"--max-num-seqs", "8", "--bogus-flag", "1",'),
+            "unrecognized_arguments",
+            "unrecognized arguments: --bogus-flag 1",
+        ),
+        (
+            "max-len-too-long",
+            ('"--max-model-len", "2048"', '"--max-model-len", "4096"'),
+            "max_model_len_too_long",
+            "User-specified max_model_len (4096) is greater than the derived max_model_len",
+        ),
+        (
+            "model-not-in-cache",
+            ('model = "lab/tiny-llama-chat"', 'model = "lab/not-in-the-cache"'),
+            "model_not_in_offline_cache",
+            "LocalEntryNotFoundError",
+        ),
+    ],
+)
+def test_a_real_start_up_failure_is_named_and_leaves_nothing(
+    cluster: str, tmp_path: Path, name: str, replacement: tuple[str, str], kind: str, evidence: str
+) -> None:
+    recipe = recipe_variant(tmp_path, f"real-{name}", REAL_1X, replacement)
+    with pytest.raises(BootFailed) as failed:
+        deploy(recipe, cluster=cluster, skip=["prefetch", "smoke"])
+    assert failed.value.kind == kind, failed.value
+    assert failed.value.node == "node1"
+    assert any(evidence in line for line in failed.value.excerpt), failed.value.excerpt
+    nothing_runs(cluster)
+
+
+def test_a_worker_that_never_joins_is_named(cluster: str, lab_cluster: Lab, tmp_path: Path) -> None:
+    """node2 cannot reach node1 over the fabric (a blackhole route in node2's namespace): its
+    worker never joins, and whichever ends the boot (the gate's timeout or the head's own)
+    names node2."""
+    recipe = recipe_variant(
+        tmp_path,
+        "real-partitioned",
+        REAL_2X,
+        ("[env]\n", '[env]\nVLLM_ENGINE_READY_TIMEOUT_S = "90"\n'),
+    )
+    route = ["blackhole", f"{lab_cluster.layout.node_ip('node1')}/32"]
+    in_node2 = ["ip", "netns", "exec", lab_cluster.layout.node_netns("node2"), "ip", "route"]
+    subprocess.run([*in_node2, "add", *route], check=True, timeout=10)
+    try:
+        with pytest.raises(BootFailed) as failed:
+            deploy(recipe, cluster=cluster, skip=["smoke"])
+    finally:
+        subprocess.run([*in_node2, "del", *route], check=True, timeout=10)
+    assert "node2" in str(failed.value), failed.value
+    assert failed.value.kind == "worker_never_joined", failed.value
+    nothing_runs(cluster)
