@@ -19,10 +19,10 @@ from typing import Any
 
 try:
     from lab.engine import standin_answers as answers
-    from lab.engine.standin_log import VLLM_VERSION
+    from lab.engine.standin_log import VLLM_VERSION, Logger
 except ImportError:  # copied flat into the engine image
     import standin_answers as answers  # type: ignore[no-redef]
-    from standin_log import VLLM_VERSION  # type: ignore[no-redef]
+    from standin_log import VLLM_VERSION, Logger  # type: ignore[no-redef]
 
 LONG_PROMPT_TOKENS = 64
 # Cap on generated tokens when a request sets no max_tokens (a loop must end somewhere).
@@ -199,10 +199,9 @@ class ApiHandler(BaseHTTPRequestHandler):
     server: StandinServer
 
     def log_message(self, format: str, *args: Any) -> None:
-        print(
+        Logger("").raw(
             f'INFO:     {self.client_address[0]}:{self.client_address[1]} - "{self.requestline}" '
-            f"{args[1] if len(args) > 1 else ''}",
-            flush=True,
+            f"{args[1] if len(args) > 1 else ''}"
         )
 
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import TextIO
@@ -26,6 +27,17 @@ class EngineFatal(Exception):
         self.engine_core = engine_core
 
 
+# The emulated processes are threads of one process: print() writes a line and its newline in
+# two calls, so another thread's line could land between them (one line with two prefixes).
+_WRITE_LOCK = threading.Lock()
+
+
+def _write_line(stream: TextIO, line: str) -> None:
+    with _WRITE_LOCK:
+        stream.write(line + "\n")
+        stream.flush()
+
+
 class Logger:
     """Prints vLLM-style lines for one emulated process (APIServer, EngineCore_DP0, Worker_TP1)."""
 
@@ -36,7 +48,7 @@ class Logger:
         stamp = time.strftime("%m-%d %H:%M:%S")
         prefix = f"({self.process} pid={os.getpid()}) " if self.process else ""
         for line in message.splitlines() or [""]:
-            print(f"{prefix}{level} {stamp} [{source}] {line}", file=stream, flush=True)
+            _write_line(stream, f"{prefix}{level} {stamp} [{source}] {line}")
 
     def info(self, source: str, message: str) -> None:
         self._emit("INFO", source, message, sys.stdout)
@@ -47,4 +59,4 @@ class Logger:
     def raw(self, line: str) -> None:
         """A line printed without the logging prefix (tracebacks, uvicorn's own lines)."""
         prefix = f"({self.process} pid={os.getpid()}) " if self.process else ""
-        print(f"{prefix}{line}", flush=True)
+        _write_line(sys.stdout, f"{prefix}{line}")
