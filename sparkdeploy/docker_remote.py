@@ -212,6 +212,29 @@ def _container_info(entry: dict[str, Any]) -> ContainerInfo:
     )
 
 
+def deployments_present(
+    targets: Mapping[str, SshTarget], deployment_of: Mapping[str, str]
+) -> dict[str, bool | None]:
+    """Whether each node of deployment_of has a container (running or not) of its deployment
+    id, one `docker ps` per node, all nodes at once; None for every node when one of them
+    could not be asked (a node down or rebooting proves nothing)."""
+
+    def on_node(runner: Runner, node: str) -> bool:
+        label = f"{DEPLOYMENT_LABEL}={deployment_of[node]}"
+        listed = checked(
+            node,
+            docker(runner, ["ps", "-a", "-q", "--filter", f"label={label}"]),
+            f"listing containers labelled {label}",
+            "check docker on the node",
+        )
+        return bool(listed.stdout.split())
+
+    try:
+        return dict(on_nodes({node: targets[node] for node in deployment_of}, on_node))
+    except RemoteError:
+        return dict.fromkeys(deployment_of)
+
+
 def container_log(runner: Runner, node: str, container_id: str, *, timeout: float) -> str:
     """The container's whole log, stdout and stderr merged in time order, with timestamps."""
     result = checked(
