@@ -16,15 +16,12 @@ from typing import Any, Protocol, TypeVar
 
 from sparkdeploy import node_probe
 from sparkdeploy.errors import ImageError, RemoteError, TransientRemoteError
+from sparkdeploy.labels import DEPLOYMENT_LABEL
 from sparkdeploy.node_script import STDERR_TAIL_CHARS, build_node_script, last_json_line
-from sparkdeploy.plan import LABEL_PREFIX
 from sparkdeploy.ssh import CommandResult, LineStream, SshTarget, on_all
 
 DOCKER_TIMEOUT_S = 60.0
 PROBE_TIMEOUT_S = 90.0
-DEPLOYMENT_LABEL = f"{LABEL_PREFIX}deployment"
-NODE_LABEL = f"{LABEL_PREFIX}node"
-RANK_LABEL = f"{LABEL_PREFIX}rank"
 
 T = TypeVar("T")
 Log = Callable[[str], None]
