@@ -5,11 +5,13 @@
    the image present with one ID on all nodes, the mount sources (composed dir, NAS cache)
    present, GPUs visible when the plan asks for GPUs, enough MemAvailable; optionally the page
    cache dropped first. The same round trip lists our stale containers there (any container
-   labelled sparkdeploy.deployment: the node lock says no live deployment of ours is there, and
-   FACTS.md says a worker that meets an old head hangs).
-2. where there are stale containers, they go (their logs saved like teardown saves them;
-   others' containers are never touched), and those nodes are probed again, since the memory
-   the stale ones held is free now. Every node's problems are then reported together.
+   labelled sparkdeploy.deployment; FACTS.md says a worker that meets an old head hangs).
+2. where there are stale containers, those of this deployment (a stale copy of itself) and
+   those whose deployment no longer holds the node go (their logs saved like teardown saves
+   them), and those nodes are probed again, since the memory the stale ones held is free now.
+   A container of a deployment that holds the node is a BootError naming it; one whose labels
+   are not of our form (sparkdeploy.labels) is reported and left alone; others' containers are
+   never touched. Every node's problems are then reported together.
 3. "auto" HCAs / GID index resolved from the node's sysfs (unset, and logged, without RDMA).
 4. containers started, once every old one is gone: mp = the head and the workers (--headless)
    all at once (a headless worker retries its connection to the head until the head listens);
@@ -26,16 +28,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkdeploy.docker_remote import (
-    DEPLOYMENT_LABEL,
+    ContainerInfo,
     Log,
     Runner,
     checked,
     docker,
+    list_containers,
     on_nodes,
     probe,
     stderr_text,
 )
 from sparkdeploy.errors import BootError
+from sparkdeploy.labels import DEPLOYMENT_LABEL, label_problems
 from sparkdeploy.plan import NodePlan, Plan
 from sparkdeploy.ssh import cached_connection
 from sparkdeploy.targets import plan_targets
@@ -230,15 +234,48 @@ def _judge(
     return checks
 
 
-def stop_stale(plan: Plan, nodes: Sequence[str], *, log: Log = _LOG.info) -> list[RemovedContainer]:
-    """Every sparkdeploy container on these nodes of the plan removed, its log saved in
-    runs_dir."""
-    targets = plan_targets(plan)
+def stop_stale(
+    plan: Plan,
+    nodes: Sequence[str],
+    *,
+    held_by: Mapping[str, str | None] | None = None,
+    log: Log = _LOG.info,
+) -> list[RemovedContainer]:
+    """The stale sparkdeploy containers on these nodes of the plan removed, their logs saved in
+    runs_dir: this deployment's and those of deployments that no longer hold the node.
+
+    `held_by`: node -> the deployment its node lock names (sparkdeploy.locks.holders); None when
+    the caller holds every node for this deployment. A container of a deployment that holds its
+    node is a BootError naming it, raised before anything is stopped.
+    """
+    targets = {name: plan_targets(plan)[name] for name in nodes}
+
+    def live(node: str, container: ContainerInfo) -> bool:
+        deployment = container.labels[DEPLOYMENT_LABEL]
+        holder = held_by.get(node) if held_by is not None else plan.deployment_id
+        return deployment != plan.deployment_id and deployment == holder
+
+    found = on_nodes(targets, lambda runner, node: list_containers(runner, node, DEPLOYMENT_LABEL))
+    blocking = [
+        f"node {node}: container {container.name} of deployment"
+        f" {container.labels[DEPLOYMENT_LABEL]}, which holds the node"
+        for node, containers in found.items()
+        for container in containers
+        if not label_problems(container.labels, node) and live(node, container)
+    ]
+    if blocking:
+        raise BootError(
+            f"deployment {plan.deployment_id}: another live deployment is on its nodes:\n"
+            + "\n".join(blocking)
+            + "\ntear that deployment down (the teardown flow) or choose other nodes"
+        )
     removed = remove_labelled(
-        {name: targets[name] for name in nodes},
+        targets,
         DEPLOYMENT_LABEL,
         plan.runs_dir,
         stop_timeout_s=STALE_STOP_TIMEOUT_S,
+        select=lambda node, container: not live(node, container),
+        log=log,
     )
     for container in removed:
         log(
@@ -320,6 +357,7 @@ def start_containers(
 def boot(
     plan: Plan,
     *,
+    held_by: Mapping[str, str | None] | None = None,
     drop_page_cache: bool = False,
     min_memory_bytes: int = DEFAULT_MIN_MEMORY_BYTES,
     log: Log = _LOG.info,
@@ -327,14 +365,15 @@ def boot(
     """Preflight with stale containers out, then the plan's containers started (module
     docstring).
 
-    The caller holds the plan's node locks (sparkdeploy.locks) for the deployment's life.
+    The caller holds the plan's node locks (sparkdeploy.locks) for the deployment's life;
+    `held_by` is what they say of each node (stop_stale).
     """
     names = [node.node for node in plan.nodes]
     answers = _probe_nodes(plan, names, drop_page_cache=drop_page_cache)
     stale_nodes = [name for name in names if answers[name]["stale_containers"]]
     stale: list[RemovedContainer] = []
     if stale_nodes:
-        stale = stop_stale(plan, stale_nodes, log=log)
+        stale = stop_stale(plan, stale_nodes, held_by=held_by, log=log)
         answers.update(_probe_nodes(plan, stale_nodes, drop_page_cache=drop_page_cache))
     checks = _judge(
         plan,

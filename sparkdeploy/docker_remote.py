@@ -16,15 +16,12 @@ from typing import Any, Protocol, TypeVar
 
 from sparkdeploy import node_probe
 from sparkdeploy.errors import ImageError, RemoteError, TransientRemoteError
+from sparkdeploy.labels import DEPLOYMENT_LABEL
 from sparkdeploy.node_script import STDERR_TAIL_CHARS, build_node_script, last_json_line
-from sparkdeploy.plan import LABEL_PREFIX
 from sparkdeploy.ssh import CommandResult, LineStream, SshTarget, on_all
 
 DOCKER_TIMEOUT_S = 60.0
 PROBE_TIMEOUT_S = 90.0
-DEPLOYMENT_LABEL = f"{LABEL_PREFIX}deployment"
-NODE_LABEL = f"{LABEL_PREFIX}node"
-RANK_LABEL = f"{LABEL_PREFIX}rank"
 
 T = TypeVar("T")
 Log = Callable[[str], None]
@@ -210,6 +207,29 @@ def _container_info(entry: dict[str, Any]) -> ContainerInfo:
         exit_code=int(state.get("ExitCode", 0)),
         started_at=state.get("StartedAt", ""),
     )
+
+
+def deployments_present(
+    targets: Mapping[str, SshTarget], deployment_of: Mapping[str, str]
+) -> dict[str, bool | None]:
+    """Whether each node of deployment_of has a container (running or not) of its deployment
+    id, one `docker ps` per node, all nodes at once; None for every node when one of them
+    could not be asked (a node down or rebooting proves nothing)."""
+
+    def on_node(runner: Runner, node: str) -> bool:
+        label = f"{DEPLOYMENT_LABEL}={deployment_of[node]}"
+        listed = checked(
+            node,
+            docker(runner, ["ps", "-a", "-q", "--filter", f"label={label}"]),
+            f"listing containers labelled {label}",
+            "check docker on the node",
+        )
+        return bool(listed.stdout.split())
+
+    try:
+        return dict(on_nodes({node: targets[node] for node in deployment_of}, on_node))
+    except RemoteError:
+        return dict.fromkeys(deployment_of)
 
 
 def container_log(runner: Runner, node: str, container_id: str, *, timeout: float) -> str:

@@ -84,7 +84,7 @@ def _rebuild_engine_failure(
 class BootFailed(EngineFailure):
     """An engine did not become ready: a fatal log line, a container exit, or the timeout.
 
-    `kind` is the failure marker's name or one of oom_killed, container_exited, timeout,
+    `kind` is the failure marker's name or one of oom_killed, killed, container_exited, timeout,
     served_name_mismatch, worker_never_joined, completion_failed; `excerpt` holds the quoted
     log lines.
     """

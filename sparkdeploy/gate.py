@@ -50,7 +50,7 @@ from sparkdeploy.vllm_markers import (
     MarkerLike,
 )
 
-OOM_KILLED_EXIT_CODE = 137
+SIGKILL_EXIT_CODE = 137  # 128 + SIGKILL: the OOM killer's signal, and everyone else's
 LINES_KEPT_PER_NODE = 400
 LINES_BEFORE = 8
 LINES_AFTER = 6
@@ -80,10 +80,19 @@ class LogLine:
 
 
 @dataclass(frozen=True)
+class ExitStatus:
+    code: int
+    # docker's State.OOMKilled: the kernel killed a process of the container for memory. None
+    # when not known (no docker, or inspect failed).
+    oom_killed: bool | None
+
+
+@dataclass(frozen=True)
 class ContainerExited:
     node: str
     exit_code: int
     t: float
+    oom_killed: bool | None = None  # ExitStatus.oom_killed
 
 
 @dataclass(frozen=True)
@@ -372,8 +381,25 @@ class BootWatch:
 
     def _exited(self, event: ContainerExited, progress: _NodeProgress) -> Failure:
         lines = list(progress.lines)
-        if event.exit_code == OOM_KILLED_EXIT_CODE:
-            kind, cause = "oom_killed", "OOM-killed: the container exited with code 137 (SIGKILL)"
+        # Exit 137 is any SIGKILL: an OOM kill is named so only when the kernel says so.
+        if event.oom_killed:
+            kind, cause = (
+                "oom_killed",
+                f"OOM-killed: the kernel killed it for memory (State.OOMKilled is true; exit"
+                f" code {event.exit_code})",
+            )
+        elif event.exit_code == SIGKILL_EXIT_CODE and event.oom_killed is False:
+            kind, cause = (
+                "killed",
+                "killed by SIGKILL (docker kill, docker stop's escalation, or a person), not an"
+                " OOM: State.OOMKilled is false",
+            )
+        elif event.exit_code == SIGKILL_EXIT_CODE:
+            kind, cause = (
+                "killed",
+                "killed by SIGKILL (exit code 137); whether by the kernel's OOM killer is"
+                " unknown: docker's State.OOMKilled could not be read",
+            )
         elif event.exit_code == 0:
             # vLLM exits 0 after its engine died (e.g. a worker crashed): never a clean stop here.
             kind, cause = (
@@ -657,15 +683,15 @@ def follow_lines(
     events: queue.Queue[GateEvent],
     node: str,
     lines: Iterable[bytes | str],
-    exit_code: Callable[[], int | None],
+    exit_status: Callable[[], ExitStatus | None],
     *,
     clock: Callable[[], float] = time.monotonic,
 ) -> threading.Thread:
     """Feed `lines` (e.g. a `docker logs -f` stdout) to the queue from a daemon thread.
 
-    When the lines end, `exit_code()` is asked for the container's exit code (e.g. from
-    `docker wait`); an int becomes a ContainerExited event, None means "still running" (the log
-    stream was cut) and puts nothing.
+    When the lines end, `exit_status()` is asked how the container ended (e.g. from `docker
+    wait` and `docker inspect`); an ExitStatus becomes a ContainerExited event, None means
+    "still running" (the log stream was cut) and puts nothing.
     """
 
     def pump() -> None:
@@ -675,9 +701,9 @@ def follow_lines(
                 events.put(LogLine(node, text.rstrip("\r\n"), clock()))
         except (OSError, ValueError):
             pass  # the stream was closed under us; the exit code below tells what happened
-        code = exit_code()
-        if code is not None:
-            events.put(ContainerExited(node, code, clock()))
+        status = exit_status()
+        if status is not None:
+            events.put(ContainerExited(node, status.code, clock(), status.oom_killed))
 
     thread = threading.Thread(target=pump, name=f"follow-logs-{node}", daemon=True)
     thread.start()

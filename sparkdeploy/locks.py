@@ -3,9 +3,25 @@
 Each node has a Prefect global concurrency limit `node:<cluster>:<node>` with limit 1, created
 on demand. A deployment takes one slot of every node's limit in a single request (all or none,
 so two deploys on overlapping nodes cannot each hold half and wait forever) and gives them back
-at teardown. The slots are taken without a lease: no process lives as long as a deployment, and
-a lease would expire under a running engine. Who holds a node is recorded in a Prefect Variable
-per node (`node-lock-...`, visible in the UI) so a waiting deploy can name the holder.
+at teardown. Who holds a node is recorded in a Prefect Variable per node (`node-lock-...`,
+visible in the UI) so a waiting deploy can name the holder.
+
+A holder that is provably gone is taken over instead of waited for: its flow run has ended
+(Prefect says its state is final, or the run no longer exists) and, for another deployment, no
+container of it is left on the node (asked over SSH by the caller's `containers_on`). A run of
+the same deployment that has ended is a redeploy: its containers are a stale copy of this
+deployment, which boot replaces. Taking over keeps the slot (it passes from the old holder to
+the new) and rewrites the record, under a short per-node mutex (`node-takeover:<cluster>:<node>`)
+so two deploys never both take over one stale holder.
+
+Leases. Prefect 3 can lease slots (they go back when the lease is not renewed in time). The node
+slots are taken without one: no process lives as long as a deployment (the deploy flow run ends
+while its engine serves), so a lease would need a renewer whose death, or a worker restart,
+frees a node under a running engine; and Prefect keeps leases in the server's memory by default
+(`PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE`), so a server restart would forget them and leak the
+slots. Whether a holder is gone is proven instead, from the flow run's state and the node's
+containers. The takeover mutex is leased (Prefect's minimum, 60 s): it is held for two requests,
+and a deploy killed while holding it must not block takeovers of that node for good.
 """
 
 from __future__ import annotations
@@ -20,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar
 from uuid import UUID
 
 import httpx
@@ -31,6 +47,7 @@ from prefect.client.schemas.actions import (
     VariableCreate,
     VariableUpdate,
 )
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import Variable
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
@@ -46,6 +63,8 @@ API_BUSY_RETRY_S = 30.0
 API_BUSY_FIRST_WAIT_S = 0.05
 # Prefect refuses to release slots held for 0 s.
 _MIN_OCCUPANCY_S = 0.001
+# The takeover mutex's lease: Prefect's minimum; it is held for two requests.
+TAKEOVER_LEASE_S = 60.0
 
 _LOG = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,8 +79,20 @@ class NodeHolder:
     flow_run_id: str | None
 
 
+# What to do about a node's holder: it is this flow run ("ours"), provably gone ("take over"),
+# or to be waited for.
+Decision = Literal["ours", "take over", "wait"]
+# node -> the holder's deployment id, to whether any container of it is on that node (None: the
+# node could not be asked). sparkdeploy.docker_remote.deployments_present, over SSH.
+ContainerCheck = Callable[[dict[str, str]], dict[str, bool | None]]
+
+
 def limit_name(cluster: str, node: str) -> str:
     return f"node:{cluster}:{node}"
+
+
+def takeover_name(cluster: str, node: str) -> str:
+    return f"node-takeover:{cluster}:{node}"
 
 
 def holder_variable(cluster: str, node: str) -> str:
@@ -133,25 +164,42 @@ def _api(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         delay = min(delay * 2, 1.0)
 
 
-def _take_slots(client: SyncPrefectClient, cluster: str, nodes: Sequence[str]) -> bool:
-    """One slot of every node's limit, all or none, creating the limits that do not exist yet;
-    False when one of them is full."""
-    names = [limit_name(cluster, node) for node in nodes]
+def _increment(
+    client: SyncPrefectClient, names: Sequence[str], *, lease_s: float | None = None
+) -> httpx.Response | None:
+    """One slot of every named limit, all or none, creating the limits that do not exist yet,
+    leased for lease_s when given; Prefect's answer, or None when one of them is full."""
     for _ in range(2):
         try:
-            response = _api(
-                client.increment_concurrency_slots, names=names, slots=1, mode="concurrency"
-            )
+            if lease_s is None:
+                response = _api(
+                    client.increment_concurrency_slots,
+                    names=list(names),
+                    slots=1,
+                    mode="concurrency",
+                )
+            else:
+                response = _api(
+                    client.increment_concurrency_slots_with_lease,
+                    names=list(names),
+                    slots=1,
+                    mode="concurrency",
+                    lease_duration=lease_s,
+                )
         except httpx.HTTPStatusError as error:
             if error.response.status_code != _HTTP_LOCKED:
                 raise
-            return False
+            return None
         # The server skips names without a limit and takes the slots of the others.
-        taken = {str(limit["name"]) for limit in response.json()}
+        answer = response.json()
+        limits = answer if lease_s is None else answer["limits"]
+        taken = {str(limit["name"]) for limit in limits}
         missing = [name for name in names if name not in taken]
         if not missing:
-            return True
-        if taken:
+            return response
+        if lease_s is not None:
+            _api(client.release_concurrency_slots_with_lease, UUID(answer["lease_id"]))
+        elif taken:
             _api(
                 client.release_concurrency_slots,
                 names=sorted(taken),
@@ -165,7 +213,12 @@ def _take_slots(client: SyncPrefectClient, cluster: str, nodes: Sequence[str]) -
                     client.create_global_concurrency_limit,
                     GlobalConcurrencyLimitCreate(name=name, limit=1),
                 )
-    raise NodeLockError(f"the node limits {', '.join(names)} vanish as soon as they are created")
+    raise NodeLockError(f"the limits {', '.join(names)} vanish as soon as they are created")
+
+
+def _take_slots(client: SyncPrefectClient, cluster: str, nodes: Sequence[str]) -> bool:
+    """One slot of every node's limit, all or none; False when one of them is full."""
+    return _increment(client, [limit_name(cluster, node) for node in nodes]) is not None
 
 
 def _read_holders(
@@ -210,7 +263,9 @@ def holders(cluster: str, nodes: Sequence[str]) -> dict[str, NodeHolder | None]:
         return _read_holders(client, cluster, nodes)
 
 
-def _describe_blockers(client: SyncPrefectClient, cluster: str, nodes: Sequence[str]) -> str:
+def _describe_blockers(
+    client: SyncPrefectClient, cluster: str, nodes: Sequence[str], why: dict[str, str]
+) -> str:
     described = []
     current = _read_holders(client, cluster, nodes)
     for node in nodes:
@@ -229,35 +284,154 @@ def _describe_blockers(client: SyncPrefectClient, cluster: str, nodes: Sequence[
             )
         else:
             run = f", flow run {holder.flow_run_id}" if holder.flow_run_id else ""
+            reason = f" ({why[node]})" if node in why else ""
             described.append(
-                f"{node} is held by deployment {holder.deployment_id} since {holder.since}{run}"
+                f"{node} is held by deployment {holder.deployment_id} since {holder.since}"
+                f"{run}{reason}"
             )
     return "; ".join(described) or "the nodes were released while this deploy was giving up"
 
 
-def _run_is_live(client: SyncPrefectClient, flow_run_id: str | None) -> bool:
-    """Whether the flow run that recorded itself as a holder is still running."""
-    if flow_run_id is None:
-        return False
-    try:
-        run = _api(client.read_flow_run, UUID(flow_run_id))
-    except ObjectNotFound:
-        return False
-    return run.state is not None and not run.state.is_final()
-
-
-def _ours_to_keep(
-    client: SyncPrefectClient,
-    holder: NodeHolder | None,
+def holder_decision(
+    holder: NodeHolder,
     deployment_id: str,
     flow_run_id: str | None,
-) -> bool:
-    """A node this deployment holds and may go on holding from this flow run: taken by this run,
-    or by an earlier run of the same deployment that has ended (a redeploy). Another run of the
-    same deployment that is still going (a concurrent deploy) must be waited for."""
-    if holder is None or holder.deployment_id != deployment_id:
-        return False
-    return holder.flow_run_id == flow_run_id or not _run_is_live(client, holder.flow_run_id)
+    *,
+    run_ended: bool,
+    containers_left: bool | None,
+) -> Decision:
+    """What a deploy of `deployment_id` in flow run `flow_run_id` does about a node's holder.
+
+    `run_ended`: the holder's flow run is final or gone (a holder recorded outside any flow run
+    counts as ended: no run of it can still be going). `containers_left`: whether the holder's
+    deployment has a container on the node (None: the node could not be asked; only consulted
+    for another deployment). A holder is taken over only when provably gone: its run has ended
+    and, for another deployment, it has nothing left on the node. A run of the same deployment
+    that is still going (a concurrent deploy) is waited for like any live holder.
+    """
+    if holder.deployment_id == deployment_id and holder.flow_run_id == flow_run_id:
+        return "ours"
+    if not run_ended:
+        return "wait"
+    if holder.deployment_id == deployment_id:
+        return "take over"  # a redeploy: boot replaces the stale copy of this deployment
+    return "take over" if containers_left is False else "wait"
+
+
+def _ended_runs(client: SyncPrefectClient, run_ids: AbstractSet[str | None]) -> set[str | None]:
+    """Those of the flow runs that are not running: final, gone, or None (no run), in one
+    request."""
+    ids = {}
+    for run_id in run_ids:
+        with contextlib.suppress(ValueError, TypeError):
+            ids[UUID(str(run_id))] = run_id
+    if not ids:
+        return set(run_ids)
+    runs = _api(
+        client.read_flow_runs,
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(ids))),
+        limit=len(ids),
+    )
+    live = {str(run.id) for run in runs if run.state is not None and not run.state.is_final()}
+    return {run_id for run_id in run_ids if run_id not in live}
+
+
+def _decide(
+    client: SyncPrefectClient,
+    current: dict[str, NodeHolder | None],
+    deployment_id: str,
+    flow_run_id: str | None,
+    containers_on: ContainerCheck | None,
+) -> tuple[dict[str, Decision], dict[str, str]]:
+    """A decision for every held node, and why each node to wait for is waited for."""
+    held = {node: holder for node, holder in current.items() if holder is not None}
+    others = {
+        node: holder
+        for node, holder in held.items()
+        if holder.deployment_id != deployment_id or holder.flow_run_id != flow_run_id
+    }
+    ended = (
+        _ended_runs(client, {holder.flow_run_id for holder in others.values()}) if others else set()
+    )
+    # Only another deployment whose run has ended is worth the SSH round trip.
+    to_ask = {
+        node: holder.deployment_id
+        for node, holder in others.items()
+        if holder.flow_run_id in ended and holder.deployment_id != deployment_id
+    }
+    left: dict[str, bool | None] = dict.fromkeys(to_ask)
+    if to_ask and containers_on is not None:
+        left.update(containers_on(to_ask))
+    decisions: dict[str, Decision] = {}
+    why: dict[str, str] = {}
+    for node, holder in held.items():
+        decisions[node] = holder_decision(
+            holder,
+            deployment_id,
+            flow_run_id,
+            run_ended=holder.flow_run_id in ended,
+            containers_left=left.get(node),
+        )
+        if decisions[node] != "wait":
+            continue
+        if holder.flow_run_id not in ended:
+            why[node] = "its flow run is still going"
+        elif left.get(node) is None:
+            why[node] = (
+                f"its flow run has ended; whether its containers are gone from {node} is unknown"
+            )
+        else:
+            why[node] = (
+                f"its flow run has ended but its containers are still on {node}: tear that"
+                " deployment down"
+            )
+    return decisions, why
+
+
+def _take_over(
+    client: SyncPrefectClient,
+    cluster: str,
+    stale: dict[str, NodeHolder],
+    deployment_id: str,
+    flow_run_id: str | None,
+    *,
+    log: Callable[[str], None],
+    warn: Callable[[str], None],
+) -> list[str]:
+    """The stale holders' nodes recorded as this run's, under their takeover mutex; the nodes
+    taken over (none while another deploy is taking them over)."""
+    names = [takeover_name(cluster, node) for node in stale]
+    response = _increment(client, names, lease_s=TAKEOVER_LEASE_S)
+    if response is None:
+        return []
+    taken = []
+    try:
+        # Re-read under the mutex: another deploy may have taken over (or the holder let go)
+        # since the decision.
+        now = _read_holders(client, cluster, list(stale))
+        since = datetime.now(UTC).isoformat(timespec="seconds")
+        for node, holder in stale.items():
+            if now[node] != holder:
+                continue
+            same = holder.deployment_id == deployment_id
+            _write_holder(
+                client,
+                cluster,
+                NodeHolder(node, deployment_id, holder.since if same else since, flow_run_id),
+            )
+            taken.append(node)
+            run = f"flow run {holder.flow_run_id}" if holder.flow_run_id else "no flow run"
+            if same:
+                log(f"node {node}: deployment {deployment_id} goes on holding it ({run} has ended)")
+            else:
+                warn(
+                    f"node {node} of cluster {cluster}: taking it over from deployment"
+                    f" {holder.deployment_id} (holder since {holder.since}, {run}): its flow run"
+                    " has ended and none of its containers is left on the node"
+                )
+    finally:
+        _api(client.release_concurrency_slots_with_lease, UUID(response.json()["lease_id"]))
+    return taken
 
 
 def acquire_nodes(
@@ -267,35 +441,46 @@ def acquire_nodes(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     poll_s: float = POLL_S,
+    containers_on: ContainerCheck | None = None,
     log: Callable[[str], None] = _LOG.info,
+    warn: Callable[[str], None] = _LOG.warning,
 ) -> list[str]:
     """Hold every node for `deployment_id`, waiting up to timeout_s for another to let go.
 
     Idempotent for one deployment: nodes it already holds are kept (and recorded as held by
-    this flow run), unless another flow run of it is still going. Returns the nodes newly
-    taken. Raises NodeLockError naming the holders when the wait runs out.
+    this flow run), unless another flow run of it is still going. A holder provably gone is
+    taken over with a warning naming it (module docstring); without `containers_on` another
+    deployment's holder is never proven gone. Returns the nodes newly taken (those taken over
+    from another deployment included). Raises NodeLockError naming the holders when the wait
+    runs out.
     """
     deadline = time.monotonic() + timeout_s
     waited_for: str | None = None
     flow_run_id = _current_flow_run_id()
+    taken_over: list[str] = []
     with _lock_client() as client:
         while True:
             current = _read_holders(client, cluster, nodes)
-            kept = [
-                node
+            decisions, why = _decide(client, current, deployment_id, flow_run_id, containers_on)
+            stale = {
+                node: holder
                 for node, holder in current.items()
-                if _ours_to_keep(client, holder, deployment_id, flow_run_id)
-            ]
-            wanted = [node for node in nodes if node not in kept]
-            blocked = [
-                node
-                for node in wanted
-                if (holder := current[node]) is not None and holder.deployment_id == deployment_id
-            ]
+                if holder is not None and decisions[node] == "take over"
+            }
+            if stale:
+                done = _take_over(
+                    client, cluster, stale, deployment_id, flow_run_id, log=log, warn=warn
+                )
+                taken_over += [node for node in done if stale[node].deployment_id != deployment_id]
+                if done:
+                    continue  # they are this run's now: decide again from the new records
+                why.update(dict.fromkeys(stale, "another deploy is taking it over right now"))
+            wanted = [node for node in nodes if decisions.get(node) != "ours"]
+            blocked = [node for node in wanted if current[node] is not None]
             if wanted and not blocked and not _take_slots(client, cluster, wanted):
                 blocked = wanted
             if blocked:
-                blockers = _describe_blockers(client, cluster, blocked)
+                blockers = _describe_blockers(client, cluster, blocked, why)
                 if time.monotonic() >= deadline:
                     raise NodeLockError(
                         f"deployment {deployment_id} could not take nodes {', '.join(wanted)} of"
@@ -309,22 +494,11 @@ def acquire_nodes(
                 time.sleep(poll_s)
                 continue
             since = datetime.now(UTC).isoformat(timespec="seconds")
-            for node in nodes:
-                holder = current[node]
-                if node in wanted or (holder is not None and holder.flow_run_id != flow_run_id):
-                    _write_holder(
-                        client,
-                        cluster,
-                        NodeHolder(
-                            node,
-                            deployment_id,
-                            since if node in wanted or holder is None else holder.since,
-                            flow_run_id,
-                        ),
-                    )
+            for node in wanted:
+                _write_holder(client, cluster, NodeHolder(node, deployment_id, since, flow_run_id))
             if wanted:
                 log(f"deployment {deployment_id} holds {', '.join(wanted)} of cluster {cluster}")
-            return wanted
+            return [node for node in nodes if node in wanted or node in taken_over]
 
 
 def release_nodes(

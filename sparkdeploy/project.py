@@ -39,17 +39,23 @@ def _is_path(value: str) -> bool:
 
 def find_recipe(value: str, root: Path | None = None) -> Path:
     """recipes/<value>/recipe.toml, or value itself when it is a path (a file or a recipe dir)."""
-    root = root or project_root()
     if _is_path(value):
         path = Path(value)
         return path / "recipe.toml" if path.is_dir() else path
-    by_name = root / "recipes" / value / "recipe.toml"
-    if by_name.exists():
-        return by_name
-    known = ", ".join(path.parent.name for path in recipe_paths(root / "recipes"))
-    raise SparkDeployError(
-        f"no recipe named {value!r} under {root / 'recipes'} (known: {known or 'none'})"
-    )
+    return find_recipe_by_name(value, root)
+
+
+def find_recipe_by_name(name: str, root: Path | None = None) -> Path:
+    """recipes/<name>/recipe.toml, never a path given as the name: for names read from where
+    anyone can write them (a container's labels)."""
+    root = root or project_root()
+    by_name = root / "recipes" / name / "recipe.toml"
+    if _is_path(name) or name.startswith(".") or not by_name.exists():
+        known = ", ".join(path.parent.name for path in recipe_paths(root / "recipes"))
+        raise SparkDeployError(
+            f"no recipe named {name!r} under {root / 'recipes'} (known: {known or 'none'})"
+        )
+    return by_name
 
 
 def find_cluster(value: str, root: Path | None = None) -> Path:

@@ -5,7 +5,9 @@
 
 For each node, `docker logs --follow <container>` streams over that node's SSH connection (stdout
 and stderr merged) into the gate's queue; when a log ends because its container stopped,
-`docker wait <container>` supplies the exit code (or says there is no such container). The
+`docker wait <container>` supplies the exit code (or says there is no such container) and
+`docker inspect` docker's State.OOMKilled, so an exit 137 is named an OOM kill only when the
+kernel says so. The
 gate decides (sparkdeploy.gate); the streams are stopped and their channels closed however it
 ends, and `gate.timeline` stays readable after a failure. Boot (starting the containers) is
 not done here.
@@ -20,7 +22,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from sparkdeploy.errors import RemoteError
-from sparkdeploy.gate import ContainerMissing, GateEvent, GateResult, ReadinessGate, follow_lines
+from sparkdeploy.gate import (
+    ContainerMissing,
+    ExitStatus,
+    GateEvent,
+    GateResult,
+    ReadinessGate,
+    follow_lines,
+)
 from sparkdeploy.plan import NodePlan, Plan
 from sparkdeploy.ssh import Connection, LineStream, SshTarget, cached_connection
 from sparkdeploy.targets import node_target
@@ -87,10 +96,10 @@ class _Follower:
             timeout=lifetime_s,
             stop=self.stop,
         )
-        self.thread = follow_lines(self.events, self.node.node, self.stream, self.exit_code)
+        self.thread = follow_lines(self.events, self.node.node, self.stream, self.exit_status)
 
-    def exit_code(self) -> int | None:
-        """The container's exit code once its log has ended with it; None while it runs.
+    def exit_status(self) -> ExitStatus | None:
+        """How the container ended once its log has ended with it; None while it runs.
 
         A container that does not exist ends its log at once: that is put on the queue as
         ContainerMissing (rather than asking docker about every container before following it,
@@ -106,11 +115,23 @@ class _Follower:
             return None  # still running after all: the log stream was cut, not ended
         text = result.stdout.decode(errors="replace").strip()
         if result.exit_code == 0 and text.lstrip("-").isdigit():
-            return int(text)
+            return ExitStatus(int(text), self.oom_killed())
         stderr = result.stderr.decode(errors="replace").strip()
         if NO_SUCH_CONTAINER in stderr:
             self.events.put(ContainerMissing(self.node.node, stderr, time.monotonic()))
         return None
+
+    def oom_killed(self) -> bool | None:
+        """docker's State.OOMKilled of the exited container; None when it cannot be read."""
+        try:
+            result = self.connection.run(
+                ["docker", "inspect", "--format", "{{.State.OOMKilled}}", self.container],
+                timeout=DOCKER_COMMAND_TIMEOUT_S,
+                check=False,
+            )
+        except RemoteError:
+            return None
+        return {"true": True, "false": False}.get(result.stdout.decode(errors="replace").strip())
 
     def close(self) -> None:
         if self.stream is not None:

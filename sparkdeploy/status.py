@@ -2,6 +2,9 @@
 
 Containers carry the deployment, recipe, node and rank labels (sparkdeploy.plan), so the status
 and the watchdog re-plan a running deployment from its labels alone: no state outside the nodes.
+Labels are untrusted (sparkdeploy.labels): a container whose labels do not have our form gets a
+row saying so and is never re-planned; a recipe label is only ever a name under recipes/, and a
+deployment is ours only when its labels re-plan to its own deployment id.
 """
 
 from __future__ import annotations
@@ -10,22 +13,21 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from sparkdeploy.cluster import Cluster
-from sparkdeploy.docker_remote import (
+from sparkdeploy.docker_remote import ContainerInfo, list_containers, on_nodes
+from sparkdeploy.errors import SparkDeployError
+from sparkdeploy.gate import probe_endpoint
+from sparkdeploy.labels import (
     DEPLOYMENT_LABEL,
     NODE_LABEL,
     RANK_LABEL,
-    ContainerInfo,
-    list_containers,
-    on_nodes,
+    RECIPE_LABEL,
+    label_problems,
 )
-from sparkdeploy.errors import SparkDeployError
-from sparkdeploy.gate import probe_endpoint
-from sparkdeploy.plan import LABEL_PREFIX, Plan, make_plan
-from sparkdeploy.project import find_recipe
+from sparkdeploy.plan import Plan, make_plan
+from sparkdeploy.project import find_recipe_by_name
 from sparkdeploy.recipe import load_recipe
 from sparkdeploy.targets import cluster_targets
 
-RECIPE_LABEL = f"{LABEL_PREFIX}recipe"
 HEALTH_TIMEOUT_S = 3.0
 
 
@@ -76,34 +78,64 @@ class DeploymentStatus:
         ]
 
 
-def _grouped(found: dict[str, list[ContainerInfo]]) -> dict[str, list[ContainerInfo]]:
-    by_deployment: dict[str, list[ContainerInfo]] = defaultdict(list)
-    for containers in found.values():
-        for container in containers:
-            by_deployment[container.labels[DEPLOYMENT_LABEL]].append(container)
-    return by_deployment
+def _not_ours(node: str, container: ContainerInfo, problems: list[str]) -> DeploymentStatus:
+    """A row for a container whose labels are not of our form: shown, never re-planned."""
+    row = NodeContainer(
+        node=node,
+        rank=0,
+        name=container.name,
+        status=container.status,
+        exit_code=container.exit_code,
+        started_at=container.started_at,
+    )
+    return DeploymentStatus(
+        deployment_id=container.labels.get(DEPLOYMENT_LABEL, "?")[:80],
+        recipe=container.labels.get(RECIPE_LABEL, "?")[:80],
+        containers=[row],
+        plan=None,
+        healthy=False,
+        health=f"labels are not ours ({'; '.join(problems)}): not re-planned, left alone",
+    )
 
 
 def replan(cluster: Cluster, containers: list[ContainerInfo]) -> Plan:
-    """The plan a deployment's containers were started from, read back from their labels."""
-    ordered = sorted(containers, key=lambda c: int(c.labels.get(RANK_LABEL, "0")))
-    recipe = load_recipe(find_recipe(ordered[0].labels[RECIPE_LABEL]))
-    return make_plan(recipe, cluster, [c.labels[NODE_LABEL] for c in ordered])
+    """The plan a deployment's containers were started from, read back from their labels
+    (checked with sparkdeploy.labels.label_problems); SparkDeployError when they do not
+    re-plan to their own deployment id."""
+    ordered = sorted(containers, key=lambda c: int(c.labels[RANK_LABEL]))
+    deployment_id = ordered[0].labels[DEPLOYMENT_LABEL]
+    recipe = load_recipe(find_recipe_by_name(ordered[0].labels[RECIPE_LABEL]))
+    plan = make_plan(recipe, cluster, [c.labels[NODE_LABEL] for c in ordered])
+    if plan.deployment_id != deployment_id:
+        raise SparkDeployError(
+            f"its containers' labels plan deployment {plan.deployment_id}, not {deployment_id}:"
+            " they were not started by this recipe on these nodes"
+        )
+    return plan
 
 
 def cluster_status(cluster: Cluster) -> list[DeploymentStatus]:
-    """Every deployment of ours on the cluster's nodes, with the head's health."""
+    """Every deployment of ours on the cluster's nodes, with the head's health; a row for each
+    container labelled as ours whose labels are not of our form."""
     found = on_nodes(
         cluster_targets(cluster),
         lambda runner, node: list_containers(runner, node, DEPLOYMENT_LABEL),
     )
+    by_deployment: dict[str, list[ContainerInfo]] = defaultdict(list)
     statuses = []
-    for deployment_id, containers in sorted(_grouped(found).items()):
+    for node, containers in found.items():
+        for container in containers:
+            problems = label_problems(container.labels, node)
+            if problems:
+                statuses.append(_not_ours(node, container, problems))
+            else:
+                by_deployment[container.labels[DEPLOYMENT_LABEL]].append(container)
+    for deployment_id, containers in sorted(by_deployment.items()):
         rows = sorted(
             (
                 NodeContainer(
-                    node=c.labels.get(NODE_LABEL, "?"),
-                    rank=int(c.labels.get(RANK_LABEL, "0")),
+                    node=c.labels[NODE_LABEL],
+                    rank=int(c.labels[RANK_LABEL]),
                     name=c.name,
                     status=c.status,
                     exit_code=c.exit_code,
@@ -113,7 +145,7 @@ def cluster_status(cluster: Cluster) -> list[DeploymentStatus]:
             ),
             key=lambda row: row.rank,
         )
-        recipe = containers[0].labels.get(RECIPE_LABEL, "?")
+        recipe = containers[0].labels[RECIPE_LABEL]
         try:
             plan = replan(cluster, containers)
         except SparkDeployError as error:

@@ -3,7 +3,9 @@
 Each container's whole log (stdout and stderr merged in time order, with docker's timestamps)
 goes to `<runs_dir>/<deployment id>/<node>.log` as the flow host sees the NAS, before the
 container is removed; an earlier log of that node moves aside to `<node>.<n>.log`. A container
-without our labels is never listed, so never touched. Running it again finds nothing: a no-op.
+without our labels is never listed, so never touched; one whose labels do not have our form
+(sparkdeploy.labels: anyone can label a container) is reported and left alone, so a label never
+becomes a path. Running it again finds nothing: a no-op.
 The node locks are released by the caller (tasks/teardown.py) once the containers are gone.
 """
 
@@ -12,12 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparkdeploy.docker_remote import (
-    DEPLOYMENT_LABEL,
+    ContainerInfo,
     Log,
     Runner,
     container_log,
@@ -26,6 +28,7 @@ from sparkdeploy.docker_remote import (
     remove_containers,
 )
 from sparkdeploy.errors import TeardownError
+from sparkdeploy.labels import DEPLOYMENT_LABEL, deployment_id_problem, label_problems
 from sparkdeploy.ssh import SshTarget
 
 LOG_TIMEOUT_S = 300.0
@@ -83,13 +86,25 @@ def remove_labelled(
     runs_dir: str,
     *,
     stop_timeout_s: int = DEFAULT_STOP_TIMEOUT_S,
+    select: Callable[[str, ContainerInfo], bool] = lambda node, container: True,
+    log: Log = _LOG.info,
 ) -> list[RemovedContainer]:
-    """On every node at once: containers with `label` (sparkdeploy.deployment[=ID]) logged, then
-    removed."""
+    """On every node at once: containers with `label` (sparkdeploy.deployment[=ID]) that
+    `select(node, container)` picks logged, then removed. Those whose labels are not of our form
+    are reported and left alone."""
 
     def on_node(runner: Runner, node: str) -> list[RemovedContainer]:
         removed = []
-        containers = list_containers(runner, node, label)
+        containers = []
+        for container in list_containers(runner, node, label):
+            problems = label_problems(container.labels, node)
+            if problems:
+                log(
+                    f"node {node}: left container {container.name} ({container.id[:12]}) alone:"
+                    f" its labels are not ours ({'; '.join(problems)})"
+                )
+            elif select(node, container):
+                containers.append(container)
         for container in containers:
             text = container_log(runner, node, container.id, timeout=LOG_TIMEOUT_S)
             deployment_id = container.labels[DEPLOYMENT_LABEL]
@@ -124,9 +139,17 @@ def teardown(
 ) -> TeardownReport:
     """The deployment's containers on these nodes (give the whole cluster when unsure) removed,
     their logs saved first. Idempotent."""
+    if (problem := deployment_id_problem(deployment_id)) is not None:
+        raise TeardownError(
+            f"cannot tear down: {problem}; give the id a deploy's summary or the status flow shows"
+        )
     started = time.monotonic()
     removed = remove_labelled(
-        targets, f"{DEPLOYMENT_LABEL}={deployment_id}", runs_dir, stop_timeout_s=stop_timeout_s
+        targets,
+        f"{DEPLOYMENT_LABEL}={deployment_id}",
+        runs_dir,
+        stop_timeout_s=stop_timeout_s,
+        log=log,
     )
     for container in removed:
         log(

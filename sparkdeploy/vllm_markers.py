@@ -190,6 +190,11 @@ FAILURE_HINTS: dict[str, str] = {
         "the kernel OOM-killed the container: drop the page cache before boot "
         "(docker.drop_page_cache), cap JIT parallelism (MAX_JOBS) or lower memory use"
     ),
+    "killed": (
+        "something outside the engine killed it: look for a `docker kill`/`docker stop` or a"
+        " teardown on the node at that time (a lost Prefect worker's cleanup, a person, another"
+        " deploy); if State.OOMKilled was unknown, check `dmesg` for the OOM killer"
+    ),
     "container_exited": "read the quoted lines; the full log is in the deployment's run dir",
     "timeout": (
         "raise the recipe's readiness timeout if the engine is just slow; otherwise the quoted "

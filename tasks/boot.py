@@ -7,6 +7,7 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from sparkdeploy.boot import DEFAULT_MIN_MEMORY_BYTES, BootResult, boot
+from sparkdeploy.locks import holders
 from sparkdeploy.plan import Plan
 from sparkdeploy.targets import plan_targets
 from sparkdeploy.teardown import teardown
@@ -17,9 +18,13 @@ def boot_deployment(plan: Plan, *, min_memory_bytes: int = DEFAULT_MIN_MEMORY_BY
     """Preflight, stale containers out, the plan's containers started. The caller holds the
     nodes (tasks.hold_nodes); a failed boot leaves no container of the deployment behind."""
     logger = get_run_logger()
+    held = holders(plan.cluster, [node.node for node in plan.nodes])
     try:
         return boot(
             plan,
+            held_by={
+                node: holder.deployment_id if holder else None for node, holder in held.items()
+            },
             drop_page_cache=plan.drop_page_cache,
             min_memory_bytes=min_memory_bytes,
             log=logger.info,

@@ -5,8 +5,10 @@ from __future__ import annotations
 from prefect import task
 from prefect.logging import get_run_logger
 
+from sparkdeploy.docker_remote import deployments_present
 from sparkdeploy.locks import DEFAULT_TIMEOUT_S, acquire_nodes, release_nodes
 from sparkdeploy.plan import Plan
+from sparkdeploy.targets import plan_targets
 
 
 @task(name="hold-nodes")
@@ -14,13 +16,18 @@ def hold_nodes(plan: Plan, *, lock_timeout_s: float = DEFAULT_TIMEOUT_S) -> list
     """Hold the plan's nodes, waiting up to lock_timeout_s for another deployment to let go;
     the nodes newly taken. Held before anything is put on the nodes (a deployment that stages
     an Engram file in place or swaps a composed dir must not do it under a running one) and
-    until the teardown task lets go."""
+    until the teardown task lets go. A holder whose flow run has ended and whose containers
+    are gone from the node is taken over, with a warning naming it."""
+    logger = get_run_logger()
+    targets = plan_targets(plan)
     return acquire_nodes(
         plan.cluster,
         [node.node for node in plan.nodes],
         plan.deployment_id,
         timeout_s=lock_timeout_s,
-        log=get_run_logger().info,
+        containers_on=lambda holders: deployments_present(targets, holders),
+        log=logger.info,
+        warn=logger.warning,
     )
 
 

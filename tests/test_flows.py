@@ -122,7 +122,7 @@ def test_blocked_recipe_is_refused_quoting_its_reason(cluster: str) -> None:
     ("fault", "kind"),
     [
         ("fatal:cuda_oom", "cuda_out_of_memory"),
-        ("exit137", "oom_killed"),
+        ("exit137", "killed"),
         ("crash", "engine_core_init_failed"),
         ("fatal:free_memory", "free_memory_below_utilization"),
     ],

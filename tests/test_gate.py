@@ -17,6 +17,7 @@ from sparkdeploy.gate import (
     BootWatch,
     ContainerExited,
     ContainerMissing,
+    ExitStatus,
     GateEvent,
     LogLine,
     ReadinessGate,
@@ -280,13 +281,29 @@ def test_recipe_failure_marker_quantprobe_algo_none() -> None:
     assert failure is not None and (failure.node, failure.kind) == ("node2", "quantprobe_broken")
 
 
-def test_exit_137_is_an_oom_kill_and_other_exits_quote_the_last_error() -> None:
+def test_exit_137_is_an_oom_kill_only_when_docker_says_so() -> None:
     watch = BootWatch(head="node1", workers=["node2"], started_at=0.0)
     feed(watch, "node2", [WORKER_JOIN])
-    oom = watch.observe(ContainerExited("node2", 137, 3.0))
+    oom = watch.observe(ContainerExited("node2", 137, 3.0, oom_killed=True))
     assert oom is not None and oom.kind == "oom_killed" and oom.node == "node2"
-    assert "137" in oom.cause and oom.excerpt == [WORKER_JOIN]
+    assert "137" in oom.cause and "OOMKilled is true" in oom.cause and oom.excerpt == [WORKER_JOIN]
+    assert "OOM-killed the container" in str(oom.to_error(3.0))
 
+    killed = watch.observe(ContainerExited("node2", 137, 3.0, oom_killed=False))
+    assert killed is not None and killed.kind == "killed"
+    assert "not an OOM: State.OOMKilled is false" in killed.cause
+    assert "docker kill" in killed.cause and "docker stop" in str(killed.to_error(3.0))
+
+    unknown = watch.observe(ContainerExited("node2", 137, 3.0))
+    assert unknown is not None and unknown.kind == "killed" and "unknown" in unknown.cause
+
+    # The kernel's word wins over the code: an OOM kill of a child the engine survived, say.
+    child = watch.observe(ContainerExited("node2", 1, 3.0, oom_killed=True))
+    assert child is not None and child.kind == "oom_killed"
+
+
+def test_other_exits_quote_the_last_error() -> None:
+    watch = BootWatch(head="node1", workers=["node2"], started_at=0.0)
     feed(watch, "node1", ["Traceback (most recent call last):", "KeyError: 'model_type'"])
     exited = watch.observe(ContainerExited("node1", 1, 4.0))
     assert exited is not None and exited.kind == "container_exited"
@@ -304,7 +321,7 @@ def test_a_missing_container_is_named_with_what_docker_said() -> None:
 
 def test_boot_failed_survives_pickling() -> None:
     watch = BootWatch(head="node1", workers=[], started_at=0.0)
-    failure = watch.observe(ContainerExited("node1", 137, 1.0))
+    failure = watch.observe(ContainerExited("node1", 137, 1.0, oom_killed=True))
     assert failure is not None
     copy = pickle.loads(pickle.dumps(failure.to_error(1.0)))
     assert (copy.node, copy.kind, copy.excerpt) == ("node1", "oom_killed", failure.excerpt)
@@ -487,9 +504,9 @@ def test_gate_waits_through_refused_connections_until_markers_and_health() -> No
     assert caught.value.kind == "timeout" and "connection refused" in caught.value.cause
 
 
-def test_follow_lines_feeds_lines_then_the_exit_code() -> None:
+def test_follow_lines_feeds_lines_then_the_exit_status() -> None:
     events: queue.Queue[GateEvent] = queue.Queue()
-    thread = follow_lines(events, "node3", [b"one\n", "two\r\n"], lambda: 137)
+    thread = follow_lines(events, "node3", [b"one\n", "two\r\n"], lambda: ExitStatus(137, True))
     thread.join(5)
     received = [events.get_nowait() for _ in range(3)]
     assert [(e.node, getattr(e, "line", None)) for e in received[:2]] == [
@@ -497,4 +514,5 @@ def test_follow_lines_feeds_lines_then_the_exit_code() -> None:
         ("node3", "two"),
     ]
     assert isinstance(received[2], ContainerExited) and received[2].exit_code == 137
+    assert received[2].oom_killed is True
     assert events.empty()

@@ -13,9 +13,19 @@ from prefect import flow, get_client
 from prefect.client.base import PrefectHttpxSyncClient
 from prefect.states import Completed, Running, State
 
+from lab.cluster import Lab
 from sparkdeploy import locks
+from sparkdeploy.docker_remote import DEPLOYMENT_LABEL, deployments_present
 from sparkdeploy.errors import NodeLockError
-from sparkdeploy.locks import acquire_nodes, holder_variable, holders, release_nodes
+from sparkdeploy.locks import (
+    NodeHolder,
+    acquire_nodes,
+    holder_decision,
+    holder_variable,
+    holders,
+    release_nodes,
+)
+from sparkdeploy.ssh import cached_connection
 
 
 def test_second_deployment_waits_then_fails_naming_the_holder(prefect_harness: Path) -> None:
@@ -196,3 +206,105 @@ def test_a_busy_answer_costs_the_lock_client_no_2_s_wait(monkeypatch: pytest.Mon
     assert locks._api(http.post, "/variables/filter").json() == []
     assert sent == ["/api/variables/filter"] * 2
     assert len(waits) == 1 and waits[0] < 0.1
+
+
+def test_only_a_provably_gone_holder_is_taken_over() -> None:
+    other = NodeHolder("n1", "dep-old", "2025-01-01T00:00:00+00:00", "run-old")
+    same = NodeHolder("n1", "dep-new", "2025-01-01T00:00:00+00:00", "run-old")
+    mine = NodeHolder("n1", "dep-new", "2025-01-01T00:00:00+00:00", "run-new")
+
+    def decide(holder: NodeHolder, ended: bool, left: bool | None) -> str:
+        return holder_decision(holder, "dep-new", "run-new", run_ended=ended, containers_left=left)
+
+    assert decide(mine, False, None) == "ours"
+    # Another deployment: both its run ended and its containers gone, else waited for.
+    assert decide(other, True, False) == "take over"
+    assert decide(other, True, True) == "wait"
+    assert decide(other, True, None) == "wait"  # the node could not be asked
+    assert decide(other, False, False) == "wait"  # a live run may be about to start them
+    # The same deployment (a redeploy): its containers are this deployment's, boot replaces them.
+    assert decide(same, True, True) == "take over"
+    assert decide(same, False, False) == "wait"
+
+
+def _containers_on(lab: Lab) -> locks.ContainerCheck:
+    targets = lab.ssh_targets()
+    return lambda deployment_of: deployments_present(targets, deployment_of)
+
+
+def _hold_with_ended_run(monkeypatch: pytest.MonkeyPatch, cluster: str, node: str, dep: str) -> str:
+    run = _flow_run(Running())
+    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: run)
+    assert acquire_nodes(cluster, [node], dep, timeout_s=5) == [node]
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(UUID(run), Completed(), force=True)
+    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: _flow_run(Running()))
+    return run
+
+
+@pytest.mark.lab
+def test_a_finished_holder_without_containers_is_taken_over_at_once(
+    prefect_harness: Path, lab_cluster: Lab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = lab_cluster.nodes[0]
+    old_run = _hold_with_ended_run(monkeypatch, "lab-takeover", node, "lab-gone-0badc0de")
+    warnings: list[str] = []
+    started = time.monotonic()
+    taken = acquire_nodes(
+        "lab-takeover",
+        [node],
+        "lab-new-12345678",
+        timeout_s=60,
+        containers_on=_containers_on(lab_cluster),
+        warn=warnings.append,
+    )
+    assert taken == [node]
+    assert time.monotonic() - started < 10  # not the wait
+    assert len(warnings) == 1
+    assert "lab-gone-0badc0de" in warnings[0] and old_run in warnings[0], warnings
+    holder = holders("lab-takeover", [node])[node]
+    assert holder is not None and holder.deployment_id == "lab-new-12345678"
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name(f"node:lab-takeover:{node}")
+        assert limit.active_slots == 1  # the slot passed over, not taken twice
+    assert release_nodes("lab-takeover", [node], "lab-new-12345678") == [node]
+
+
+@pytest.mark.lab
+def test_a_finished_holder_whose_containers_remain_is_waited_for(
+    prefect_harness: Path, lab_cluster: Lab, lab_engine_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = lab_cluster.nodes[1]
+    _hold_with_ended_run(monkeypatch, "lab-takeover", node, "lab-left-0badc0de")
+    runner = cached_connection(lab_cluster.ssh_target(node))
+    name = "lock-test-leftover"
+    runner.run(
+        [
+            *("docker", "create", "--name", name),
+            *("--label", f"{DEPLOYMENT_LABEL}=lab-left-0badc0de", lab_engine_image, "sleep", "600"),
+        ],
+        timeout=300,
+    )
+    try:
+        with pytest.raises(NodeLockError, match="its containers are still on"):
+            acquire_nodes(
+                "lab-takeover",
+                [node],
+                "lab-new-12345678",
+                timeout_s=2,
+                poll_s=0.5,
+                containers_on=_containers_on(lab_cluster),
+            )
+    finally:
+        runner.run(["docker", "rm", "--force", name], timeout=60)
+    holder = holders("lab-takeover", [node])[node]
+    assert holder is not None and holder.deployment_id == "lab-left-0badc0de"
+    # Once the leftover is gone, the same deploy takes the node over.
+    assert acquire_nodes(
+        "lab-takeover",
+        [node],
+        "lab-new-12345678",
+        timeout_s=10,
+        containers_on=_containers_on(lab_cluster),
+    ) == [node]
+    release_nodes("lab-takeover", [node], "lab-new-12345678")

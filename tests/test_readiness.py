@@ -1,6 +1,6 @@
 """Readiness over real SSH on the lab: Connection.stream_lines, then sparkdeploy.readiness
 following engine stand-in containers on the lab nodes (good boot, fatal lines on the head and on
-a worker, an OOM kill, a missing container)."""
+a worker, a cgroup OOM kill and SIGKILLs that are not one, a missing container)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from readiness_lab import Deployment, lab_plan
 
 from lab.cluster import Lab
 from sparkdeploy.errors import BootFailed
+from sparkdeploy.plan import Plan
 from sparkdeploy.readiness import gate_for, wait_until_ready
 from sparkdeploy.ssh import Connection, cached_connection
+from sparkdeploy.targets import node_target
 
 pytestmark = pytest.mark.lab
 
@@ -125,14 +127,65 @@ def test_a_fatal_line_fails_naming_the_node_and_the_cause(
     assert f"boot failed on {plan.nodes[rank].node}" in str(error)
 
 
-def test_exit_137_is_named_an_oom_kill(
+def test_a_sigkill_without_the_kernels_word_is_named_killed_not_an_oom(
     lab_cluster: Lab, tmp_path: Path, deployments: list[Deployment]
 ) -> None:
     plan = deploy(lab_cluster, tmp_path, deployments, nodes=1, fault="exit137").plan
     with pytest.raises(BootFailed) as caught:
         wait_until_ready(plan, gate_for(plan), timeout_s=FAULT_BOOT_S)
+    assert (caught.value.node, caught.value.kind) == (plan.nodes[0].node, "killed")
+    assert "not an OOM: State.OOMKilled is false" in str(caught.value)
+
+
+def _run_by_hand(plan: Plan, options: list[str], argv: list[str]) -> None:
+    """The plan's container started with other options and command (its labels kept, so the
+    `deployments` fixture finds and removes it)."""
+    spec = plan.nodes[0].container
+    labels = [arg for key, value in spec.labels.items() for arg in ("--label", f"{key}={value}")]
+    cached_connection(node_target(plan.nodes[0])).run(
+        ["docker", "run", "-d", "--name", spec.name, *labels, *options, spec.image, *argv],
+        timeout=120,
+    )
+
+
+def test_a_container_past_its_cgroup_memory_limit_is_named_oom_killed(
+    lab_cluster: Lab, tmp_path: Path, deployments: list[Deployment]
+) -> None:
+    plan = lab_plan(lab_cluster, tmp_path / "recipes", "cgroup-oom", nodes=1)
+    deployments.append(Deployment(plan))
+    # The kernel enforces the cgroup limit: 200 MiB into 64 MiB (no swap) is an OOM kill.
+    _run_by_hand(
+        plan,
+        ["--memory", "64m", "--memory-swap", "64m", "--entrypoint", "python3"],
+        ["-c", "b = bytearray(200 << 20)"],
+    )
+    with pytest.raises(BootFailed) as caught:
+        wait_until_ready(plan, gate_for(plan), timeout_s=FAULT_BOOT_S)
     assert (caught.value.node, caught.value.kind) == (plan.nodes[0].node, "oom_killed")
-    assert "OOM-killed" in str(caught.value)
+    assert "State.OOMKilled is true" in caught.value.cause
+
+
+def test_a_docker_kill_is_named_killed(
+    lab_cluster: Lab, tmp_path: Path, deployments: list[Deployment]
+) -> None:
+    plan = lab_plan(lab_cluster, tmp_path / "recipes", "docker-kill", nodes=1)
+    deployments.append(Deployment(plan))
+    _run_by_hand(plan, ["--entrypoint", "sleep"], ["600"])
+    name = plan.nodes[0].container.name
+    killer = threading.Timer(
+        2.0,
+        lambda: cached_connection(node_target(plan.nodes[0])).run(
+            ["docker", "kill", name], timeout=60
+        ),
+    )
+    killer.start()
+    try:
+        with pytest.raises(BootFailed) as caught:
+            wait_until_ready(plan, gate_for(plan), timeout_s=FAULT_BOOT_S)
+    finally:
+        killer.join()
+    assert (caught.value.node, caught.value.kind) == (plan.nodes[0].node, "killed")
+    assert "not an OOM: State.OOMKilled is false" in caught.value.cause
 
 
 def test_a_container_that_was_never_started_fails_at_once(
