@@ -569,13 +569,27 @@ class Lab:
             _remove_cgroup_tree(directory)
         if netns_names:
             _ip_batch([f"netns delete {name}" for name in netns_names])
-        if (Path("/sys/class/net") / self.layout.host_link).exists():
-            run(["ip", "link", "delete", self.layout.host_link])
+        self._delete_host_link()
         self._unmount_leftovers()
         shutil.rmtree(self.layout.state_dir, ignore_errors=True)
         if self.layout.state_dir.exists():
             raise LabError(f"lab {self.name!r}: could not remove {self.layout.state_dir}")
         return time.monotonic() - started
+
+    def _delete_host_link(self) -> None:
+        """The veth's host end. Deleting the bridge namespace takes it along too, but the kernel
+        does that asynchronously: it can vanish between the check and the delete."""
+        link = Path("/sys/class/net") / self.layout.host_link
+        if not link.exists():
+            return
+        try:
+            run(["ip", "link", "delete", self.layout.host_link])
+        except LabError:
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while link.exists():
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def remains(self) -> list[str]:
         """What of this lab exists on the machine: namespaces, cgroup dirs, state, processes."""
