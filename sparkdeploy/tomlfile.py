@@ -457,6 +457,11 @@ def _describe(error: Any) -> str:
     value = error.get("input")
     if kind == "missing":
         return "required key is missing: add it"
+    if kind in ("string_type", "str_type") and isinstance(value, (list, dict)):
+        return (
+            f"must be a string, not a {'list' if isinstance(value, list) else 'table'}: "
+            f"write one quoted value (got {value!r})"
+        )
     if kind in ("string_type", "str_type"):
         return f"must be a string: quote it (got {value!r})"
     if kind == "too_short":

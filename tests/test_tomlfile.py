@@ -129,7 +129,7 @@ def test_a_key_of_another_table_is_told_where_it_goes(tmp_path: Path) -> None:
 
 def test_bom_is_dropped_and_crlf_lines_are_counted(tmp_path: Path) -> None:
     path = tmp_path / "file.toml"
-    path.write_bytes(b'\xef\xbb\xbfcount = 1\r\n\r\nzzz = 2\r\n')
+    path.write_bytes(b"\xef\xbb\xbfcount = 1\r\n\r\nzzz = 2\r\n")
     assert validate_document(load_toml(path, RecipeError), Outer).problems == [
         f"{path}:3: unknown key 'zzz': known keys here: count, sources"
     ]
