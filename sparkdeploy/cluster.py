@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sparkdeploy.errors import InventoryError, PlanError
-from sparkdeploy.tomlfile import KeyPath, TomlDocument, load_toml, validate_document
+from sparkdeploy.tomlfile import KeyPath, TomlDocument, format_key, load_toml, validate_document
 
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -265,13 +265,11 @@ def _merge_node(
     return node, problems
 
 
-def _duplicates(
-    nodes: list[Node], key: Callable[[Node], object], what: str, where: Callable[[KeyPath], str]
-) -> list[str]:
+def _duplicates(values: list[str], what: str, where: Callable[[KeyPath], str]) -> list[str]:
+    """`values[i]` is node i's; each value used again names the node that has it first."""
     problems = []
-    first: dict[object, int] = {}
-    for index, node in enumerate(nodes):
-        value = key(node)
+    first: dict[str, int] = {}
+    for index, value in enumerate(values):
         if value in first:
             earlier = first[value]
             problems.append(
@@ -283,17 +281,22 @@ def _duplicates(
     return problems
 
 
-def _setting_problems(inventory: InventoryFile, where: Callable[[KeyPath], str]) -> list[str]:
+def _setting_problems(
+    inventory: InventoryFile, where: Callable[[KeyPath], str], broken: frozenset[str]
+) -> list[str]:
+    """Paths and NCCL profiles; a table in `broken` (its problem already reported) is skipped."""
     problems = []
-    for key, value in [
-        (("nas", "hf_cache"), inventory.nas.hf_cache),
-        (("nas", "runs_dir"), inventory.nas.runs_dir),
-        (("node_paths", "engram_root"), inventory.node_paths.engram_root),
-        (("node_paths", "composed_root"), inventory.node_paths.composed_root),
-    ]:
+    paths: list[tuple[KeyPath, str]] = []
+    if "nas" not in broken:
+        paths += [(("nas", "hf_cache"), inventory.nas.hf_cache)]
+        paths += [(("nas", "runs_dir"), inventory.nas.runs_dir)]
+    if "node_paths" not in broken:
+        paths += [(("node_paths", "engram_root"), inventory.node_paths.engram_root)]
+        paths += [(("node_paths", "composed_root"), inventory.node_paths.composed_root)]
+    for key, value in paths:
         if not value.startswith("/"):
-            problems.append(f"{where(key)}: {'.'.join(key)} {value!r} must be an absolute path")
-    for profile, env in inventory.nccl.items():
+            problems.append(f"{where(key)}: {format_key(key)} {value!r} must be an absolute path")
+    for profile, env in {} if "nccl" in broken else inventory.nccl.items():
         for variable in env:
             at = where(("nccl", profile, variable))
             if not _ENV_NAME.match(variable):
@@ -306,24 +309,48 @@ def _setting_problems(inventory: InventoryFile, where: Callable[[KeyPath], str])
     return problems
 
 
-def cluster_from_document(document: TomlDocument) -> Cluster:
-    inventory = validate_document(document, InventoryFile, InventoryError)
-    base = document.path.parent
-    problems = _setting_problems(inventory, document.where)
+def _node_problems(
+    inventory: InventoryFile, base: Path, where: Callable[[KeyPath], str], broken: frozenset[str]
+) -> tuple[list[Node], list[str]]:
+    """Every node with its defaults applied, and the problems of the [[nodes]] entries."""
+    if "nodes" in broken:
+        return [], []
+    entries = inventory.nodes
+    problems = _duplicates([e.name for e in entries], "node name", where)
+    problems += _duplicates([e.fabric_ip for e in entries], "fabric_ip", where)
+    if "ssh" in broken or "node_defaults" in broken:
+        return [], problems
+    problems += _duplicates(
+        [f"{e.host}:{e.port or inventory.ssh.port}" for e in entries], "SSH host:port", where
+    )
     nodes = []
-    for index in range(len(inventory.nodes)):
-        node, node_problems = _merge_node(inventory, index, base, document.where)
+    for index in range(len(entries)):
+        node, node_problems = _merge_node(inventory, index, base, where)
         problems += node_problems
         if node is not None:
             nodes.append(node)
-    if not problems:
-        problems += _duplicates(nodes, lambda n: n.name, "node name", document.where)
-        problems += _duplicates(
-            nodes, lambda n: f"{n.host}:{n.port}", "SSH host:port", document.where
+    return nodes, problems
+
+
+def cluster_from_document(document: TomlDocument) -> Cluster:
+    """The cluster of a parsed inventory; raises InventoryError listing every problem."""
+    if "model" in document.data and "nodes" not in document.data:
+        # Checked as an inventory, a recipe would be every one of its keys an unknown key.
+        raise InventoryError(
+            f"{document.where(('model',))}: model: this is a recipe, not a cluster inventory: "
+            "move it to recipes/<name>/recipe.toml; nothing else in it was checked"
         )
-        problems += _duplicates(nodes, lambda n: n.fabric_ip, "fabric_ip", document.where)
+    validated = validate_document(document, InventoryFile)
+    inventory, broken = validated.value, validated.broken
+    base = document.path.parent
+    nodes, node_problems = _node_problems(inventory, base, document.where, broken)
+    problems = [
+        *validated.problems,
+        *_setting_problems(inventory, document.where, broken),
+        *node_problems,
+    ]
     if problems:
-        raise InventoryError("\n".join(problems))
+        raise InventoryError("\n".join(document.in_file_order(problems)))
     return Cluster(
         name=inventory.name or document.path.stem,
         path=str(document.path),

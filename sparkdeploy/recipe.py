@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from sparkdeploy.errors import RecipeError
 from sparkdeploy.tomlfile import KeyPath, format_key, load_toml, validate_document
-from sparkdeploy.vllm_args import VllmArgs, normalise_args
+from sparkdeploy.vllm_args import VllmArgs, normalise_args, parse_args
 
 DEFAULT_API_PORT = 8000
 # vLLM's own default for VLLM_ENGINE_READY_TIMEOUT_S: it gives up on the engine after this.
@@ -231,12 +231,9 @@ class Recipe(_Strict):
 Where = Callable[[KeyPath], str]
 
 
-def _arg_problems(recipe: Recipe, where: Where) -> list[str]:
-    try:
-        args = normalise_args(recipe.args, where=lambda index: where(("args", index)))
-    except RecipeError as exc:
-        return str(exc).splitlines()
-    problems = []
+def _arg_problems(recipe: Recipe, where: Where, backend_known: bool) -> list[str]:
+    """Problems of args; the backend's agreement is checked only if `backend_known` (valid)."""
+    args, problems = parse_args(recipe.args, where=lambda index: where(("args", index)))
     for flag in args.flags:
         at = where(("args", flag.index))
         if flag.canonical in _PLAN_FLAGS:
@@ -245,7 +242,7 @@ def _arg_problems(recipe: Recipe, where: Where) -> list[str]:
                 "remove it from args"
             )
     backend = args.find("--distributed-executor-backend")
-    if backend is not None and backend.value != recipe.distributed_backend:
+    if backend_known and backend is not None and backend.value != recipe.distributed_backend:
         problems.append(
             f"{where(('args', backend.index))}: --distributed-executor-backend {backend.value} "
             f'contradicts distributed_backend = "{recipe.distributed_backend}"; make them agree '
@@ -260,9 +257,9 @@ def _arg_problems(recipe: Recipe, where: Where) -> list[str]:
     return problems
 
 
-def _path_problems(recipe: Recipe, where: Where) -> list[str]:
+def _path_problems(recipe: Recipe, where: Where, broken: frozenset[str]) -> list[str]:
     problems = []
-    if recipe.composed_model is not None:
+    if "composed_model" not in broken and recipe.composed_model is not None:
         composed = recipe.composed_model
         if not composed.mount.startswith("/"):
             problems.append(
@@ -276,7 +273,7 @@ def _path_problems(recipe: Recipe, where: Where) -> list[str]:
                     f"{where(local_key)}: {format_key(local_key)} {local.host!r} must be an "
                     "absolute path on the node"
                 )
-    for index, mount in enumerate(recipe.extra_mounts):
+    for index, mount in enumerate([] if "extra_mounts" in broken else recipe.extra_mounts):
         if not (mount.host.startswith("/") or mount.host == "~" or mount.host.startswith("~/")):
             key: KeyPath = ("extra_mounts", index, "host")
             problems.append(
@@ -291,9 +288,50 @@ def _path_problems(recipe: Recipe, where: Where) -> list[str]:
     return problems
 
 
-def recipe_problems(recipe: Recipe, where: Where) -> list[str]:
-    """Consistency problems the model's types cannot express; `where` names a key's place."""
-    problems = _arg_problems(recipe, where) + _path_problems(recipe, where)
+def recipe_problems(
+    recipe: Recipe, where: Where, broken: frozenset[str] = frozenset()
+) -> list[str]:
+    """Consistency problems the model's types cannot express; `where` names a key's place.
+
+    A check reading a field in `broken` (a field whose own problem is already reported, so it
+    holds its default or nothing) is skipped: its finding would be about a value not in the file.
+    """
+
+    def valid(*fields: str) -> bool:
+        return broken.isdisjoint(fields)
+
+    problems: list[str] = []
+    args_valid = valid("args")
+    if args_valid:
+        arg_problems = _arg_problems(recipe, where, backend_known=valid("distributed_backend"))
+        args_valid = not arg_problems
+        problems += arg_problems
+    problems += _path_problems(recipe, where, broken)
+    if valid("env"):
+        problems += _env_problems(recipe, where)
+    if valid("tensor_parallel_size", "pipeline_parallel_size", "required_nodes"):
+        world = recipe.tensor_parallel_size * recipe.pipeline_parallel_size
+        if world % recipe.required_nodes:
+            problems.append(
+                f"{where(('required_nodes',))}: required_nodes = {recipe.required_nodes} does "
+                f"not divide tensor_parallel_size × pipeline_parallel_size = {world}; every node "
+                "runs the same number of ranks"
+            )
+    if valid("blocked") and recipe.blocked is not None and not recipe.blocked.strip():
+        problems.append(
+            f"{where(('blocked',))}: blocked is empty; say why the recipe is blocked or remove it"
+        )
+    repo_fields = ("model", "model_revision", "parent_model", "parent_model_revision")
+    if args_valid and valid(*repo_fields, "composed_model"):
+        try:
+            recipe.hf_repos  # noqa: B018 - raises on conflicting revision pins
+        except RecipeError as exc:
+            problems.append(f"{where(('model_revision',))}: {exc}")
+    return problems
+
+
+def _env_problems(recipe: Recipe, where: Where) -> list[str]:
+    problems = []
     for key, source in _PLAN_ENV.items():
         if key in recipe.env:
             problems.append(
@@ -315,22 +353,6 @@ def recipe_problems(recipe: Recipe, where: Where) -> list[str]:
                 f"{where(('env', READINESS_ENV))}: env.{READINESS_ENV} {timeout!r} must be a "
                 "positive number of seconds"
             )
-    world = recipe.tensor_parallel_size * recipe.pipeline_parallel_size
-    if world % recipe.required_nodes:
-        problems.append(
-            f"{where(('required_nodes',))}: required_nodes = {recipe.required_nodes} does not "
-            f"divide tensor_parallel_size × pipeline_parallel_size = {world}; every node runs the "
-            "same number of ranks"
-        )
-    if recipe.blocked is not None and not recipe.blocked.strip():
-        problems.append(
-            f"{where(('blocked',))}: blocked is empty; say why the recipe is blocked or remove it"
-        )
-    if not problems:
-        try:
-            recipe.hf_repos  # noqa: B018 - raises on conflicting revision pins
-        except RecipeError as exc:
-            problems.append(f"{where(('model_revision',))}: {exc}")
     return problems
 
 
@@ -360,10 +382,18 @@ def recipe_id_for(path: Path) -> str:
 def load_recipe(path: Path) -> Recipe:
     """Load and check one recipe; raises RecipeError listing every problem, one per line."""
     document = load_toml(path, RecipeError)
-    recipe = validate_document(document, Recipe, RecipeError)
-    problems = recipe_problems(recipe, document.where)
+    if "nodes" in document.data and "model" not in document.data:
+        # Checked as a recipe, an inventory would be every one of its tables an unknown key.
+        raise RecipeError(
+            f"{document.where(('nodes',))}: nodes: this is a cluster inventory, not a recipe: "
+            "move it to clusters/<name>.toml (sparkdeploy validate checks files in clusters/ as "
+            "inventories); nothing else in it was checked"
+        )
+    validated = validate_document(document, Recipe)
+    recipe = validated.value
+    problems = validated.problems + recipe_problems(recipe, document.where, validated.broken)
     if problems:
-        raise RecipeError("\n".join(problems))
+        raise RecipeError("\n".join(document.in_file_order(problems)))
     recipe._recipe_id = recipe_id_for(path)
     recipe._header_blocked_reason = header_blocked_reason(document.text)
     return recipe

@@ -17,7 +17,7 @@ import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
 import pydantic
 
@@ -66,6 +66,20 @@ class TomlDocument:
         """`file:line` of a key (just `file` for a key absent from the file at top level)."""
         line = self.line_of(key_path)
         return f"{self.path}:{line}" if line is not None else str(self.path)
+
+    def in_file_order(self, problems: Sequence[str]) -> list[str]:
+        """Problems sorted by the line they name; those about the whole file come first.
+
+        Every problem starts with `where()`'s text, so its line is read back from there; the
+        sort is stable, so one line's problems keep the order they were found in.
+        """
+        prefix = re.compile(re.escape(str(self.path)) + r":(\d+)")
+
+        def line(problem: str) -> int:
+            match = prefix.match(problem)
+            return int(match.group(1)) if match else 0
+
+        return sorted(problems, key=line)
 
 
 class _ScanProblem(Exception):
@@ -316,6 +330,10 @@ _TOMLLIB_WORDS = {
 }
 
 
+# A file that does not parse has no keys to check: the problems after it would be guesses.
+_STOPPED = " (the rest of the file is checked once this is fixed)"
+
+
 def _syntax_message(path: Path, text: str, error: tomllib.TOMLDecodeError) -> str:
     scanner = _Scanner(text)
     try:
@@ -323,7 +341,7 @@ def _syntax_message(path: Path, text: str, error: tomllib.TOMLDecodeError) -> st
     except _ScanProblem as problem:
         line, col = scanner.line_col(problem.offset)
         message = problem.message.replace("{line}", str(line))
-        return f"{path}:{line}:{col}: {message}"
+        return f"{path}:{line}:{col}: {message}{_STOPPED}"
     except (IndexError, ValueError):
         pass  # the scanner is best effort on broken text; tomllib's words follow
     match = _TOMLLIB_POSITION.match(str(error))
@@ -332,18 +350,22 @@ def _syntax_message(path: Path, text: str, error: tomllib.TOMLDecodeError) -> st
     if what.startswith("Cannot declare"):
         words = f"{what}: a table may be declared once; merge the two"
     if match and match.group("line"):
-        return f"{path}:{match.group('line')}:{match.group('col')}: {words}"
-    return f"{path}: {words} (at the end of the file)"
+        return f"{path}:{match.group('line')}:{match.group('col')}: {words}{_STOPPED}"
+    return f"{path}: {words} (at the end of the file){_STOPPED}"
 
 
 def load_toml(path: Path, error_class: type[SparkDeployError]) -> TomlDocument:
     """Parse a TOML file; syntax errors raise `error_class` naming file:line:col in words."""
     try:
-        text = path.read_text(encoding="utf-8")
+        # utf-8-sig: a byte order mark (some Windows editors write one) is dropped, not an error.
+        text = path.read_text(encoding="utf-8-sig")
     except OSError as exc:
         raise error_class(f"{path}: cannot read: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
-        raise error_class(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise error_class(
+            f"{path}:{line}: not UTF-8 text (byte {exc.start}); save it as UTF-8{_STOPPED}"
+        ) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -389,10 +411,44 @@ def _known_keys(model: type[pydantic.BaseModel], parent: KeyPath) -> list[str]:
     return keys
 
 
-def unknown_key_message(where: str, key_path: KeyPath, known: Sequence[str]) -> str:
-    key = str(key_path[-1])
+def _tables_with_key(model: type[pydantic.BaseModel], key: str, parent: KeyPath = ()) -> list[str]:
+    """The tables of `model` (as TOML headers) where `key` is a known key."""
+    found: list[str] = []
+    for name, info in model.model_fields.items():
+        path = (*parent, info.alias or name)
+        for candidate in _unwrap(info.annotation):
+            origin = typing.get_origin(candidate)
+            if origin in (list, tuple):
+                inner, header = typing.get_args(candidate)[0], f"[[{format_key(path)}]]"
+            elif origin is dict:
+                inner, header = typing.get_args(candidate)[1], f"[{format_key(path)}.<name>]"
+            else:
+                inner, header = candidate, f"[{format_key(path)}]"
+            for table in _unwrap(inner):
+                if isinstance(table, type) and issubclass(table, pydantic.BaseModel):
+                    if key in _known_keys(table, ()):
+                        found.append(header)
+                    found += _tables_with_key(table, key, path)
+    return found
+
+
+def _close_match(key: str, known: Sequence[str]) -> str | None:
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(known)}"
+    return close[0] if close else None
+
+
+def unknown_key_message(
+    where: str, key_path: KeyPath, known: Sequence[str], elsewhere: Sequence[str] = ()
+) -> str:
+    """A typo gets its close match; a key of another table (`elsewhere`) is told where it goes."""
+    key = str(key_path[-1])
+    close = _close_match(key, known)
+    if close:
+        hint = f"did you mean '{close}'?"
+    elif elsewhere:
+        hint = f"'{key}' belongs in {' or '.join(elsewhere)}: move it there"
+    else:
+        hint = f"known keys here: {', '.join(known)}"
     return f"{where}: unknown key '{format_key(key_path)}': {hint}"
 
 
@@ -401,6 +457,11 @@ def _describe(error: Any) -> str:
     value = error.get("input")
     if kind == "missing":
         return "required key is missing: add it"
+    if kind in ("string_type", "str_type") and isinstance(value, (list, dict)):
+        return (
+            f"must be a string, not a {'list' if isinstance(value, list) else 'table'}: "
+            f"write one quoted value (got {value!r})"
+        )
     if kind in ("string_type", "str_type"):
         return f"must be a string: quote it (got {value!r})"
     if kind == "too_short":
@@ -415,25 +476,67 @@ def _describe(error: Any) -> str:
     return message
 
 
-def validate_document(
-    document: TomlDocument,
-    model: type[ModelT],
-    error_class: type[SparkDeployError],
-) -> ModelT:
-    """Validate the parsed data; every problem becomes one `file:line: key: words` line."""
+@dataclass(frozen=True)
+class Validated(Generic[ModelT]):
+    """A file's model built from its valid keys, and the problems of the others."""
+
+    value: ModelT  # a field in `broken` has its default, or is unset if it has none
+    problems: list[str]  # one `file:line: key: words` line each
+    broken: frozenset[str]  # top-level fields with a problem: checks reading them are skipped
+
+
+def _where_elsewhere(model: type[pydantic.BaseModel], key_path: KeyPath) -> list[str]:
+    """Headers of the other tables that know the key; `the top level` for a top-level key."""
+    key = str(key_path[-1])
+    tables = [t for t in _tables_with_key(model, key) if t.strip("[]") != format_key(key_path)]
+    if len(key_path) > 1 and key in _known_keys(model, ()):
+        tables.insert(0, "the top level (above the first [table])")
+    return tables
+
+
+def validate_document(document: TomlDocument, model: type[ModelT]) -> Validated[ModelT]:
+    """Validate the parsed data; every problem becomes one `file:line: key: words` line.
+
+    The value is built even when some keys are wrong, from the fields that are right, so the
+    caller's own checks can still run on those and report their problems in the same pass.
+    """
     try:
-        return model.model_validate(document.data)
+        return Validated(model.model_validate(document.data), [], frozenset())
     except pydantic.ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            key_path: KeyPath = tuple(error["loc"])
-            where = document.where(key_path)
-            if error["type"] == "extra_forbidden":
-                problems.append(
-                    unknown_key_message(where, key_path, _known_keys(model, key_path[:-1]))
+        errors = exc.errors()
+    problems = []
+    by_key = {info.alias or name: name for name, info in model.model_fields.items()}
+    broken: set[str] = set()
+    for error in errors:
+        key_path: KeyPath = tuple(error["loc"])
+        where = document.where(key_path)
+        if key_path and key_path[0] in by_key:
+            broken.add(by_key[str(key_path[0])])
+        elif error["type"] == "extra_forbidden":
+            # A misspelt top-level key: the field it meant holds its default, not the file's value.
+            meant = _close_match(str(key_path[0]), list(by_key))
+            if meant is not None:
+                broken.add(by_key[meant])
+        if error["type"] == "extra_forbidden":
+            problems.append(
+                unknown_key_message(
+                    where,
+                    key_path,
+                    _known_keys(model, key_path[:-1]),
+                    _where_elsewhere(model, key_path),
                 )
-            elif key_path:
-                problems.append(f"{where}: {format_key(key_path)}: {_describe(error)}")
-            else:
-                problems.append(f"{where}: {_describe(error)}")
-        raise error_class("\n".join(problems)) from None
+            )
+        elif key_path:
+            problems.append(f"{where}: {format_key(key_path)}: {_describe(error)}")
+        else:
+            problems.append(f"{where}: {_describe(error)}")
+    # Each right field again on its own (it passed above, so this cannot fail); the model's
+    # construction skips validation, which the broken fields would not pass.
+    fields: dict[str, Any] = {}
+    for key, name in by_key.items():
+        if name in broken or key not in document.data:
+            continue
+        field: Any = Annotated[model.model_fields[name].annotation, model.model_fields[name]]
+        fields[name] = pydantic.TypeAdapter(field).validate_python(document.data[key])
+    value = model.model_construct(**fields)
+    return Validated(value, document.in_file_order(problems), frozenset(broken))

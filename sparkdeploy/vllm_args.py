@@ -107,10 +107,10 @@ def _normalise_value(flag: str, raw: str) -> tuple[str, Any]:
     return json.dumps(parsed, separators=(",", ":"), ensure_ascii=False), parsed
 
 
-def normalise_args(
+def parse_args(
     args: Sequence[str], where: Callable[[int], str] = lambda index: f"args[{index}]"
-) -> VllmArgs:
-    """Parse recipe args into flags; all problems are reported together in one RecipeError.
+) -> tuple[VllmArgs, list[str]]:
+    """Recipe args as flags, and every problem, one line each; a flag with a problem is left out.
 
     `where(i)` names the place of args[i] (file:line when loaded from a file).
     """
@@ -122,6 +122,12 @@ def normalise_args(
         token = args[index]
         start = index
         index += 1
+        if not token.strip():
+            # An emptied item: vLLM would get "" as a value (or a stray argument).
+            problems.append(
+                f"{where(start)}: args[{start}] is empty: remove it (or write the value it lost)"
+            )
+            continue
         if not is_flag(token):
             problems.append(
                 f"{where(start)}: stray value {token!r} with no flag before it; args are "
@@ -132,7 +138,7 @@ def normalise_args(
         value: str | None
         if has_equals:
             value = inline_value
-        elif index < len(args) and not is_flag(args[index]):
+        elif index < len(args) and args[index].strip() and not is_flag(args[index]):
             value = args[index]
             index += 1
         else:
@@ -157,6 +163,14 @@ def normalise_args(
             continue
         seen[flag.canonical] = flag
         flags.append(flag)
+    return VllmArgs(flags=tuple(flags)), problems
+
+
+def normalise_args(
+    args: Sequence[str], where: Callable[[int], str] = lambda index: f"args[{index}]"
+) -> VllmArgs:
+    """Parse recipe args into flags; all problems are reported together in one RecipeError."""
+    parsed, problems = parse_args(args, where)
     if problems:
         raise RecipeError("\n".join(problems))
-    return VllmArgs(flags=tuple(flags))
+    return parsed

@@ -139,6 +139,32 @@ DEFAULT_FAILURE_MARKERS: tuple[Marker, ...] = (
         "workers_never_joined",
         r"Timed out after \d+ seconds waiting for clients\. \d+/\d+ clients joined",
     ),
+    # The distributed layer. Each pattern starts at the exception's class or a word of the message,
+    # so a traceback's quoted source line (`raise RuntimeError(f"NCCL error: ...")`) is no match.
+    # torch/csrc/distributed/c10d/NCCLUtils.hpp: "NCCL error in: FILE:LINE, <error>, NCCL version
+    # X" raised as torch.distributed.DistBackendError; vllm/distributed/device_communicators/
+    # pynccl_wrapper.py: RuntimeError "NCCL error: <error>". Before dist_backend_error: a line
+    # of both is named by what failed.
+    Marker("nccl_error", r"Error: NCCL error(?: in)?: "),
+    # torch/distributed/__init__.py (torch._C._DistBackendError): any other collective backend
+    # failure (ProcessGroupNCCL's watchdog, gloo).
+    Marker("dist_backend_error", r"DistBackendError: "),
+    # torch/csrc/distributed/c10d/TCPStore.cpp ("wait timeout after Nms, keys: ...") and
+    # torch/distributed/distributed_c10d.py ("Timed out initializing process group in store
+    # based barrier"): the c10d store gloo and NCCL rendezvous through. After
+    # workers_never_joined, which is a DistStoreError too and says more.
+    Marker("dist_store_error", r"DistStoreError: "),
+    # vllm/v1/executor/multiproc_executor.py, the executor's worker monitor: a TP/PP worker
+    # process of this node is gone ("Worker proc Worker_TP1 died unexpectedly (exit code: -9),
+    # shutting down executor.").
+    Marker("worker_proc_died", r"Worker proc \S+ died unexpectedly \(exit code: "),
+    # vllm/v1/executor/multiproc_executor.py: a worker did not answer a collective RPC in time
+    # (TimeoutError "RPC call to <method> timed out."; <method> may be a repr with spaces).
+    Marker("rpc_timed_out", r"TimeoutError: RPC call to .+ timed out\."),
+    # vllm/v1/utils.py, the API server's watch of its engine cores ("Engine core process
+    # EngineCore_DP0 died unexpectedly."), also quoted in "Exception occurred while running API
+    # servers: ...".
+    Marker("engine_core_proc_died", r"Engine core process \S+ died unexpectedly"),
     # vllm/v1/engine/core.py and the API server's AsyncLLM: the engine died, the cause is above.
     Marker("engine_core_fatal", r"EngineCore encountered a fatal error"),
     Marker("engine_dead", r"EngineDeadError: "),
@@ -146,7 +172,13 @@ DEFAULT_FAILURE_MARKERS: tuple[Marker, ...] = (
 
 # The failure markers whose line only points at the real cause, printed earlier in the log.
 ROOT_CAUSE_ABOVE: frozenset[str] = frozenset(
-    {"engine_core_init_failed", "engine_core_fatal", "engine_dead"}
+    {
+        "engine_core_init_failed",
+        "engine_core_fatal",
+        "engine_dead",
+        "worker_proc_died",
+        "engine_core_proc_died",
+    }
 )
 
 # vLLM's own line for a deliberate stop (SIGTERM); the lines after it are its teardown, where
@@ -234,6 +266,34 @@ FAILURE_HINTS: dict[str, str] = {
     "workers_never_joined": (
         "the head waited for workers that never came: check every worker container, their "
         "--master-addr and the fabric; raise --distributed-timeout-seconds only for slow starts"
+    ),
+    "nccl_error": (
+        "NCCL failed between ranks: check the fabric (RoCE links up, the nodes' roce_hcas and "
+        "gid_index, NCCL_SOCKET_IFNAME), rerun with NCCL_DEBUG=INFO in the recipe's env to see "
+        "which rank and transport failed, then redeploy"
+    ),
+    "dist_backend_error": (
+        "a collective (NCCL or gloo) failed or timed out between ranks: read the quoted error; "
+        "a rank that died or hung first (its container log) is the usual cause, else the fabric"
+    ),
+    "dist_store_error": (
+        "the ranks could not meet in torch's c10d store on the head's master port: check that "
+        "every worker container runs and reaches the head's fabric_ip:29501 (GLOO_SOCKET_IFNAME, "
+        "firewall), and that no old container holds the port; then redeploy"
+    ),
+    "worker_proc_died": (
+        "a worker process of this engine died (exit code in the line; -9 is a SIGKILL, often "
+        "the OOM killer): its error is quoted above if it printed one, else check `dmesg` for "
+        "the OOM killer and lower memory use"
+    ),
+    "rpc_timed_out": (
+        "a worker did not answer the engine in time: it hung or died; read the workers' logs "
+        "(every node's container) for the first error; raise VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS "
+        "(recipe env) only for a slow but healthy step"
+    ),
+    "engine_core_proc_died": (
+        "the engine core process died: its root cause is quoted above (an OOM kill leaves "
+        "none: check `dmesg`); redeploy once it is fixed"
     ),
     "engine_core_fatal": (
         "the engine core died after it started: the root cause is quoted above the final error"

@@ -103,9 +103,9 @@ def test_validation_errors_point_at_the_key_with_a_suggestion(tmp_path: Path) ->
         tmp_path,
         'count = "3"\n\n[[sources]]\nrepo = "a/b"\n\n[[sources]]\nrepo = "c/d"\nrevison = "x"\n',
     )
-    with pytest.raises(RecipeError) as caught:
-        validate_document(load_toml(path, RecipeError), Outer, RecipeError)
-    assert str(caught.value).splitlines() == [
+    validated = validate_document(load_toml(path, RecipeError), Outer)
+    assert validated.broken == {"count", "sources"}
+    assert validated.problems == [
         f"{path}:1: count: Input should be a valid integer (got '3': write it without quotes)",
         f"{path}:8: unknown key 'sources[1].revison': did you mean 'revision'?",
     ]
@@ -113,10 +113,26 @@ def test_validation_errors_point_at_the_key_with_a_suggestion(tmp_path: Path) ->
 
 def test_unknown_key_without_a_close_match_lists_the_known_ones(tmp_path: Path) -> None:
     path = write(tmp_path, "count = 1\nzzz = 2\n")
-    with pytest.raises(
-        RecipeError, match=r":2: unknown key 'zzz': known keys here: count, sources"
-    ):
-        validate_document(load_toml(path, RecipeError), Outer, RecipeError)
+    validated = validate_document(load_toml(path, RecipeError), Outer)
+    assert validated.problems == [f"{path}:2: unknown key 'zzz': known keys here: count, sources"]
+    assert validated.value.count == 1  # the valid keys still build the model
+
+
+def test_a_key_of_another_table_is_told_where_it_goes(tmp_path: Path) -> None:
+    path = write(tmp_path, 'count = 1\nrevision = "x"\n[[sources]]\nrepo = "a/b"\ncount = 2\n')
+    assert validate_document(load_toml(path, RecipeError), Outer).problems == [
+        f"{path}:2: unknown key 'revision': 'revision' belongs in [[sources]]: move it there",
+        f"{path}:5: unknown key 'sources[0].count': 'count' belongs in the top level (above the "
+        "first [table]): move it there",
+    ]
+
+
+def test_bom_is_dropped_and_crlf_lines_are_counted(tmp_path: Path) -> None:
+    path = tmp_path / "file.toml"
+    path.write_bytes(b"\xef\xbb\xbfcount = 1\r\n\r\nzzz = 2\r\n")
+    assert validate_document(load_toml(path, RecipeError), Outer).problems == [
+        f"{path}:3: unknown key 'zzz': known keys here: count, sources"
+    ]
 
 
 def test_format_key() -> None:
