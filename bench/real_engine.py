@@ -61,6 +61,7 @@ def host_argv_and_env(
     env = {
         **{k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "HOME")},
         **node.container.env,
+        **{key: value.get_secret_value() for key, value in node.container.secret_env.items()},
         "VLLM_HOST_IP": "127.0.0.1",
         "GLOO_SOCKET_IFNAME": "lo",
         "NCCL_SOCKET_IFNAME": "lo",
@@ -97,7 +98,9 @@ def host_boot(plan: Plan, python: Path, workdir: Path) -> float:
             )
         endpoint = f"http://127.0.0.1:{api_port}"
         while time.monotonic() - started < HOST_READY_TIMEOUT_S:
-            if probe_endpoint(endpoint, plan.served_model_name, timeout=1.0).ready:
+            if probe_endpoint(
+                endpoint, plan.served_model_name, timeout=1.0, api_key=plan.api_key
+            ).ready:
                 return time.monotonic() - started
             if any(process.poll() is not None for process in processes):
                 raise SystemExit(f"a host rank exited; see {workdir}/rank*/serve.log")

@@ -41,6 +41,7 @@ from sparkdeploy.docker_remote import (
 from sparkdeploy.errors import BootError
 from sparkdeploy.labels import DEPLOYMENT_LABEL, label_problems
 from sparkdeploy.plan import NodePlan, Plan
+from sparkdeploy.secrecy import redact
 from sparkdeploy.ssh import cached_connection
 from sparkdeploy.targets import plan_targets
 from sparkdeploy.teardown import RemovedContainer, remove_labelled
@@ -52,6 +53,14 @@ STALE_STOP_TIMEOUT_S = 10
 # Runs the serve argv with its output on the container's own stdout/stderr (the log the gate
 # follows). The script is fixed text; the argv arrives as "$@", never parsed by the shell.
 _ON_CONTAINER_LOG = 'exec "$@" >/proc/1/fd/1 2>/proc/1/fd/2'
+# `docker run --env-file F "$@"` with the secret env, read from stdin, in F: a fresh 0600 file
+# (mktemp) removed when the shell exits, whatever docker's exit. The values travel on the SSH
+# channel's stdin and sit in no argv, where `ps` would show them to anyone on the node; docker
+# reads the file client-side and sends the values to dockerd over its socket. Fixed text again.
+_RUN_WITH_ENV_FILE = (
+    'umask 077; f=$(mktemp) || exit 125; trap \'rm -f "$f"\' EXIT; trap "exit 129" HUP INT TERM;'
+    ' cat >"$f" || exit 125; docker run --env-file "$f" "$@"'
+)
 
 _LOG = logging.getLogger(__name__)
 
@@ -291,12 +300,20 @@ def _run(runner: Runner, node: NodePlan, extra_env: Mapping[str, str]) -> str:
     if extra_env:
         spec = spec.model_copy(update={"env": {**spec.env, **extra_env}})
     argv = spec.docker_run_argv()
-    result = docker(runner, argv[1:], timeout=RUN_TIMEOUT_S)
+    if spec.secret_env:
+        result = runner.run(
+            ["sh", "-c", _RUN_WITH_ENV_FILE, "sh", *argv[2:]],
+            timeout=RUN_TIMEOUT_S,
+            stdin=spec.env_file(),
+            check=False,
+        )
+    else:
+        result = docker(runner, argv[1:], timeout=RUN_TIMEOUT_S)
     if result.exit_code != 0:
         raise BootError(
             f"node {node.node}: `docker run` of {spec.name} exited {result.exit_code}:"
-            f" {stderr_text(result)}; a name conflict means a container of that name that is not"
-            " ours exists there: remove or rename it"
+            f" {redact(stderr_text(result), spec.secret_env.values())}; a name conflict means a"
+            " container of that name that is not ours exists there: remove or rename it"
         )
     return result.stdout.decode().strip().splitlines()[-1]
 

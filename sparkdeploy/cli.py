@@ -17,6 +17,7 @@ from sparkdeploy.errors import SparkDeployError
 from sparkdeploy.plan import NodePlan, Plan
 from sparkdeploy.project import load_plan
 from sparkdeploy.recipe import load_recipe, recipe_paths
+from sparkdeploy.secrecy import MASK
 from sparkdeploy.vllm_args import is_flag
 
 app = typer.Typer(
@@ -104,6 +105,10 @@ def _docker_run_text(node: NodePlan) -> str:
     argv = spec.docker_run_argv()
     image_at = len(argv) - len(spec.command) - len(spec.entrypoint[1:]) - 1
     options = _grouped(argv[3:image_at])
+    if spec.secret_env:
+        # boot writes them to a 0600 file on the node, removed once `docker run` returns
+        hidden = " ".join(f"{key}={MASK}" for key in spec.secret_env)
+        options.append(f"--env-file <0600 file: {hidden}>")
     program = argv[image_at:]
     head = 1
     while head < len(program) and not is_flag(program[head]):
@@ -116,7 +121,8 @@ def _plan_text(plan: Plan) -> str:
     out = [
         f"# deployment {plan.deployment_id}: recipe {plan.recipe} on cluster {plan.cluster}",
         f"# endpoint {plan.endpoint}  served model {plan.served_model_name}  "
-        f"readiness timeout {plan.readiness_timeout_s:g} s",
+        f"readiness timeout {plan.readiness_timeout_s:g} s"
+        + (f"  API key {MASK}" if plan.api_key else ""),
         "# prefetch into "
         + plan.nas_hf_cache
         + ": "

@@ -1,7 +1,9 @@
 """Plain HTTP to an engine's OpenAI-compatible API: stdlib, real timeouts, never a proxy.
 
 http.client rather than urllib: urllib honours http_proxy from the environment, and a proxy
-between the flow host and a node's fabric address would make every probe lie.
+between the flow host and a node's fabric address would make every probe lie. An engine started
+with an API key (the plan's api_key) answers /v1 with 401 unless the request carries it as
+`Authorization: Bearer KEY`; the key stays a SecretStr up to the header.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+from pydantic import SecretStr
 
 
 @dataclass(frozen=True)
@@ -38,12 +42,25 @@ def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, s
     return connection, path
 
 
-def request(method: str, url: str, *, timeout: float, json_body: Any | None = None) -> HttpReply:
+def _auth(api_key: SecretStr | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
+
+
+def request(
+    method: str,
+    url: str,
+    *,
+    timeout: float,
+    json_body: Any | None = None,
+    api_key: SecretStr | None = None,
+) -> HttpReply:
     """One request; OSError (refused, reset, timed out) and HTTPException propagate."""
     connection, path = _connection(url, timeout)
     try:
         body = None if json_body is None else json.dumps(json_body).encode()
-        headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers = _auth(api_key)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
         connection.request(method, path, body=body, headers=headers)
         response = connection.getresponse()
         return HttpReply(response.status, response.read())
@@ -52,7 +69,7 @@ def request(method: str, url: str, *, timeout: float, json_body: Any | None = No
 
 
 def stream_events(
-    url: str, json_body: Any, *, timeout: float
+    url: str, json_body: Any, *, timeout: float, api_key: SecretStr | None = None
 ) -> Iterator[tuple[float, dict[str, Any]]]:
     """POST and yield (monotonic arrival time, event) for each server-sent `data:` JSON event.
 
@@ -66,7 +83,11 @@ def stream_events(
             "POST",
             path,
             body=json.dumps(json_body).encode(),
-            headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+            headers={
+                **_auth(api_key),
+                "Content-Type": "application/json",
+                "Accept": "text/event-stream",
+            },
         )
         response = connection.getresponse()
         if response.status != 200:

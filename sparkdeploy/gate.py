@@ -36,6 +36,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pydantic import SecretStr
+
 from sparkdeploy import engine_http
 from sparkdeploy.errors import BootFailed
 from sparkdeploy.vllm_markers import (
@@ -416,18 +418,29 @@ class BootWatch:
         return Failure(event.node, kind, cause, excerpt or ["(the container printed nothing)"])
 
 
-def probe_endpoint(endpoint: str, served_model_name: str, *, timeout: float) -> ProbeOutcome:
-    """GET /health, then GET /v1/models; ready when the served name is listed."""
+def probe_endpoint(
+    endpoint: str, served_model_name: str, *, timeout: float, api_key: SecretStr | None = None
+) -> ProbeOutcome:
+    """GET /health, then GET /v1/models (with the API key: vLLM guards /v1, never /health);
+    ready when the served name is listed."""
     base = endpoint.rstrip("/")
     try:
         health = engine_http.request("GET", f"{base}/health", timeout=timeout)
         if health.status != 200:
             return ProbeOutcome(False, f"/health answered {health.status}")
-        models = engine_http.request("GET", f"{base}/v1/models", timeout=timeout)
+        models = engine_http.request("GET", f"{base}/v1/models", timeout=timeout, api_key=api_key)
     except ConnectionRefusedError:
         return ProbeOutcome(False, "connection refused (the engine is still loading)")
     except (OSError, http.client.HTTPException) as error:
         return ProbeOutcome(False, f"{type(error).__name__}: {error}")
+    if models.status == 401:
+        # Not ready will never turn ready: say which key is missing or wrong.
+        return ProbeOutcome(
+            False,
+            "/v1/models answered 401: the engine wants an API key "
+            + ("other than the recipe's" if api_key else "and the recipe sets none")
+            + " (--api-key in args or env.VLLM_API_KEY)",
+        )
     if models.status != 200:
         return ProbeOutcome(False, f"/v1/models answered {models.status}")
     try:
@@ -440,7 +453,9 @@ def probe_endpoint(endpoint: str, served_model_name: str, *, timeout: float) -> 
 COMPLETION_PROMPT = "Hello"
 
 
-def probe_completion(endpoint: str, served_model_name: str, *, timeout: float) -> ProbeOutcome:
+def probe_completion(
+    endpoint: str, served_model_name: str, *, timeout: float, api_key: SecretStr | None = None
+) -> ProbeOutcome:
     """POST /v1/completions for one token at temperature 0; ready when it answers a choice.
 
     The first request to a TP > 1 CPU engine builds a kernel (about 20 s): `timeout` should be
@@ -454,7 +469,7 @@ def probe_completion(endpoint: str, served_model_name: str, *, timeout: float) -
     }
     url = f"{endpoint.rstrip('/')}/v1/completions"
     try:
-        reply = engine_http.request("POST", url, timeout=timeout, json_body=body)
+        reply = engine_http.request("POST", url, timeout=timeout, json_body=body, api_key=api_key)
     except (OSError, http.client.HTTPException) as error:
         return ProbeOutcome(False, f"POST /v1/completions: {type(error).__name__}: {error}")
     if reply.status != 200:
@@ -522,6 +537,7 @@ class ReadinessGate:
         endpoint: str,
         served_model_name: str,
         timeout_s: float,
+        api_key: SecretStr | None = None,
     ) -> GateResult:
         watch = self.watch
         deadline = watch.started_at + timeout_s
@@ -531,16 +547,18 @@ class ReadinessGate:
             now = self._clock()
             if watch.complete and now >= next_probe:
                 last_probe = probe_endpoint(
-                    endpoint, served_model_name, timeout=self._http_timeout_s
+                    endpoint, served_model_name, timeout=self._http_timeout_s, api_key=api_key
                 )
                 if last_probe.ready:
-                    return self._complete_one(events, endpoint, served_model_name, deadline)
+                    return self._complete_one(
+                        events, endpoint, served_model_name, deadline, api_key
+                    )
                 if last_probe.served_names is not None:
                     raise self._wrong_name(served_model_name, last_probe).to_error(self._elapsed())
                 next_probe = self._clock() + self._health_poll_s
                 continue
             if now >= deadline:
-                raise self._timed_out(timeout_s, endpoint, served_model_name, last_probe)
+                raise self._timed_out(timeout_s, endpoint, served_model_name, last_probe, api_key)
             wait_s = deadline - now
             if watch.complete:
                 wait_s = min(wait_s, next_probe - now)
@@ -560,6 +578,7 @@ class ReadinessGate:
         endpoint: str,
         served_model_name: str,
         deadline: float,
+        api_key: SecretStr | None,
     ) -> GateResult:
         """One real completion once /health and /v1/models are good: ready when it answers."""
         self.watch.record(
@@ -572,7 +591,7 @@ class ReadinessGate:
         timeout = self._completion_timeout_s
         if timeout is None:
             timeout = max(deadline - self._clock(), COMPLETION_MIN_TIMEOUT_S)
-        outcome = probe_completion(endpoint, served_model_name, timeout=timeout)
+        outcome = probe_completion(endpoint, served_model_name, timeout=timeout, api_key=api_key)
         if outcome.ready:
             return self._ready()
         # The engine may have died under the request: its log says why, better than the reply.
@@ -644,6 +663,7 @@ class ReadinessGate:
         endpoint: str,
         served_model_name: str,
         last_probe: ProbeOutcome | None,
+        api_key: SecretStr | None,
     ) -> BootFailed:
         awaited = self.watch.awaited()
         unjoined = self.watch.unjoined_workers()
@@ -669,7 +689,9 @@ class ReadinessGate:
             node, marker, pattern = awaited
             cause = f"no {marker!r} line (/{pattern}/) within {timeout_s} s"
             # A build that words its lines differently still serves: say so, the fix differs.
-            probe = probe_endpoint(endpoint, served_model_name, timeout=self._http_timeout_s)
+            probe = probe_endpoint(
+                endpoint, served_model_name, timeout=self._http_timeout_s, api_key=api_key
+            )
             if probe.ready:
                 cause += (
                     f"; yet {endpoint} is ready: the recipe's marker pattern does not match "

@@ -13,11 +13,12 @@ import posixpath
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SecretStr
 
 from sparkdeploy.cluster import Cluster, GidIndex, Node, RoceHcas
 from sparkdeploy.errors import PlanError
 from sparkdeploy.recipe import MarkerSpec, Recipe, RepoRef, SmokeOptions
+from sparkdeploy.secrecy import API_KEY_ENV, API_KEY_FLAG, Secret
 from sparkdeploy.vllm_markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
 
 __all__ = [
@@ -55,6 +56,7 @@ class ContainerSpec(_Data):
     entrypoint: list[str]  # empty: the image's own entrypoint
     command: list[str]  # argv after the entrypoint
     env: dict[str, str]
+    secret_env: dict[str, Secret]  # through an env file, never the argv (sparkdeploy.secrecy)
     labels: dict[str, str]
     mounts: list[Mount]
     network_host: bool
@@ -65,7 +67,7 @@ class ContainerSpec(_Data):
     extra_run_options: list[str]
 
     def docker_run_argv(self) -> list[str]:
-        """The equivalent `docker run` argv (the boot step may use the docker API instead)."""
+        """The equivalent `docker run` argv, secret_env aside (boot adds it as --env-file)."""
         argv = ["docker", "run", "-d", "--name", self.name]
         for key, value in self.labels.items():
             argv += ["--label", f"{key}={value}"]
@@ -87,6 +89,11 @@ class ContainerSpec(_Data):
         if self.entrypoint:
             argv += ["--entrypoint", self.entrypoint[0]]
         return [*argv, self.image, *self.entrypoint[1:], *self.command]
+
+    def env_file(self) -> bytes:
+        """secret_env as docker's --env-file reads it: one VAR=value a line, taken literally."""
+        lines = (f"{key}={value.get_secret_value()}\n" for key, value in self.secret_env.items())
+        return "".join(lines).encode()
 
 
 class EngramStage(_Data):
@@ -140,6 +147,7 @@ class Plan(_Data):
     served_model_name: str
     api_port: int
     endpoint: str
+    api_key: Secret | None  # sent as `Authorization: Bearer` to /v1 when the recipe sets one
     readiness_timeout_s: float
     boot_markers: list[MarkerSpec]
     failure_markers: list[MarkerSpec]
@@ -206,10 +214,16 @@ def _check_placement(recipe: Recipe, cluster: Cluster, nodes: list[Node]) -> int
     return per_node
 
 
-def _node_env(recipe: Recipe, cluster: Cluster, node: Node, hf_cache: str) -> dict[str, str]:
-    """Profile, then the recipe's own env, then what only this node knows."""
+def _node_env(
+    recipe: Recipe, cluster: Cluster, node: Node, hf_cache: str
+) -> tuple[dict[str, str], dict[str, SecretStr]]:
+    """Profile, then the recipe's own env, then what only this node knows; split into the
+    plain env and the secret one (sparkdeploy.secrecy)."""
     env = dict(cluster.nccl.get(recipe.nccl_profile or "", {}))
     env.update(recipe.env)
+    if recipe.api_key is not None:
+        # vLLM reads VLLM_API_KEY as it reads --api-key, and a flag would show in `ps`.
+        env[API_KEY_ENV] = recipe.api_key
     env.update(
         {
             "VLLM_HOST_IP": node.fabric_ip,
@@ -224,7 +238,9 @@ def _node_env(recipe: Recipe, cluster: Cluster, node: Node, hf_cache: str) -> di
         env["NCCL_IB_GID_INDEX"] = str(node.gid_index)
     env["HF_HUB_OFFLINE"] = "1"
     env["HF_HUB_CACHE"] = hf_cache
-    return env
+    plain = {key: value for key, value in env.items() if not recipe.is_secret_env(key)}
+    secret = {key: SecretStr(value) for key, value in env.items() if recipe.is_secret_env(key)}
+    return plain, secret
 
 
 def _mounts(recipe: Recipe, cluster: Cluster, node: Node, composed_root: str | None) -> list[Mount]:
@@ -251,7 +267,7 @@ def _mounts(recipe: Recipe, cluster: Cluster, node: Node, composed_root: str | N
 
 def _serve_argv(recipe: Recipe) -> list[str]:
     """`MODEL args...` with the parallel sizes and backend every node shares."""
-    argv = [recipe.model, *recipe.vllm_args.argv()]
+    argv = [recipe.model, *recipe.vllm_args.without(API_KEY_FLAG).argv()]
     if recipe.model_revision is not None:
         argv += ["--revision", recipe.model_revision]
     argv += ["--tensor-parallel-size", str(recipe.tensor_parallel_size)]
@@ -311,12 +327,14 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
             {r % recipe.tensor_parallel_size for r in range(rank * per_node, (rank + 1) * per_node)}
         )
         container_entrypoint, command, serve_exec = _commands(recipe, rank, node, selected)
+        env, secret_env = _node_env(recipe, cluster, node, hf_cache)
         container = ContainerSpec(
             name=f"sparkdeploy-{dep_id}-{node.name}",
             image=recipe.docker_image,
             entrypoint=container_entrypoint,
             command=command,
-            env=_node_env(recipe, cluster, node, hf_cache),
+            env=env,
+            secret_env=secret_env,
             labels={
                 f"{LABEL_PREFIX}deployment": dep_id,
                 f"{LABEL_PREFIX}recipe": recipe.recipe_id,
@@ -374,6 +392,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
         served_model_name=recipe.served_model_name,
         api_port=recipe.api_port,
         endpoint=f"http://{head.fabric_ip}:{recipe.api_port}",
+        api_key=SecretStr(recipe.api_key) if recipe.api_key is not None else None,
         readiness_timeout_s=recipe.readiness_timeout_s,
         boot_markers=list(recipe.boot_markers) or default_boot,
         failure_markers=[

@@ -184,6 +184,7 @@ def wait_until_ready(
             endpoint=plan.endpoint,
             served_model_name=plan.served_model_name,
             timeout_s=timeout,
+            api_key=plan.api_key,
         )
     finally:
         stop.set()

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from sparkdeploy.errors import RecipeError
+from sparkdeploy.secrecy import API_KEY_ENV, API_KEY_FLAG, is_secret_name, unsafe_value_problem
 from sparkdeploy.tomlfile import KeyPath, format_key, load_toml, validate_document
 from sparkdeploy.vllm_args import VllmArgs, normalise_args, parse_args
 
@@ -129,6 +130,7 @@ class Recipe(_Strict):
     entrypoint: list[str] | None = None
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    secret_env: list[str] = Field(default_factory=list)  # beyond the names secrecy.py knows
     nccl_profile: str | None = None
     composed_model: ComposedModel | None = None
     extra_mounts: list[ExtraMount] = Field(default_factory=list)
@@ -177,6 +179,14 @@ class Recipe(_Strict):
     def api_port(self) -> int:
         port = self.vllm_args.value("--port")
         return int(port) if port is not None else DEFAULT_API_PORT
+
+    @property
+    def api_key(self) -> str | None:
+        """The key vLLM guards /v1 with: `--api-key`, else env VLLM_API_KEY."""
+        return self.vllm_args.value(API_KEY_FLAG) or self.env.get(API_KEY_ENV) or None
+
+    def is_secret_env(self, name: str) -> bool:
+        return is_secret_name(name, self.secret_env)
 
     @property
     def readiness_timeout_s(self) -> float:
@@ -251,6 +261,17 @@ def _arg_problems(recipe: Recipe, where: Where, backend_known: bool) -> list[str
     port = args.find("--port")
     if port is not None and not (port.value or "").isdigit():
         problems.append(f"{where(('args', port.index))}: --port {port.value!r} is not a number")
+    api_key = args.find(API_KEY_FLAG)
+    if api_key is not None:
+        at = where(("args", api_key.index))
+        if not api_key.value:
+            problems.append(f"{at}: {API_KEY_FLAG} needs a value (the key clients must send)")
+        elif API_KEY_ENV in recipe.env:
+            problems.append(
+                f"{at}: {API_KEY_FLAG} and env.{API_KEY_ENV} both set the API key; keep one"
+            )
+        elif (problem := unsafe_value_problem(api_key.value)) is not None:
+            problems.append(f"{at}: {API_KEY_FLAG}'s value {problem}")
     served = args.find("--served-model-name")
     if served is not None and served.value is None:
         problems.append(f"{where(('args', served.index))}: --served-model-name needs a value")
@@ -288,6 +309,21 @@ def _path_problems(recipe: Recipe, where: Where, broken: frozenset[str]) -> list
     return problems
 
 
+def _secret_problems(recipe: Recipe, where: Where) -> list[str]:
+    problems = []
+    for index, name in enumerate(recipe.secret_env):
+        if name not in recipe.env:
+            problems.append(
+                f"{where(('secret_env', index))}: secret_env names {name!r}, which [env] does"
+                " not set; add it to [env] or remove it from secret_env"
+            )
+    for name, value in recipe.env.items():
+        problem = unsafe_value_problem(value) if recipe.is_secret_env(name) else None
+        if problem is not None:
+            problems.append(f"{where(('env', name))}: env.{name} (a secret) {problem}")
+    return problems
+
+
 def recipe_problems(
     recipe: Recipe, where: Where, broken: frozenset[str] = frozenset()
 ) -> list[str]:
@@ -309,6 +345,8 @@ def recipe_problems(
     problems += _path_problems(recipe, where, broken)
     if valid("env"):
         problems += _env_problems(recipe, where)
+    if valid("env", "secret_env"):
+        problems += _secret_problems(recipe, where)
     if valid("tensor_parallel_size", "pipeline_parallel_size", "required_nodes"):
         world = recipe.tensor_parallel_size * recipe.pipeline_parallel_size
         if world % recipe.required_nodes:

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import SecretStr
+
 from sparkdeploy import engine_http
 from sparkdeploy.errors import SmokeFailed
 
@@ -272,6 +274,7 @@ WEATHER_TOOL = {
 class SmokeSettings:
     base_url: str  # e.g. "http://10.77.0.11:8000"
     served_model_name: str
+    api_key: SecretStr | None = None  # sent as a bearer token (the plan's api_key)
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     tool_calls: bool = False  # the engine runs with --enable-auto-tool-choice
@@ -329,6 +332,7 @@ def chat(settings: SmokeSettings, label: str, prompt: str, **fields: Any) -> Rep
             url,
             timeout=settings.request_timeout_s,
             json_body=_request_body(settings, prompt, **fields),
+            api_key=settings.api_key,
         )
     except (OSError, http.client.HTTPException) as error:
         return Reply(label, error=_failure_text(error, settings.request_timeout_s))
@@ -374,7 +378,7 @@ def chat_stream(settings: SmokeSettings, label: str, prompt: str) -> StreamedRep
     chunks = 0
     try:
         for arrived, event in engine_http.stream_events(
-            url, body, timeout=settings.request_timeout_s
+            url, body, timeout=settings.request_timeout_s, api_key=settings.api_key
         ):
             chunks += 1
             if event.get("usage"):

@@ -155,7 +155,9 @@ def cluster_status(cluster: Cluster) -> list[DeploymentStatus]:
                 )
             )
             continue
-        outcome = probe_endpoint(plan.endpoint, plan.served_model_name, timeout=HEALTH_TIMEOUT_S)
+        outcome = probe_endpoint(
+            plan.endpoint, plan.served_model_name, timeout=HEALTH_TIMEOUT_S, api_key=plan.api_key
+        )
         statuses.append(
             DeploymentStatus(deployment_id, recipe, rows, plan, outcome.ready, outcome.detail)
         )

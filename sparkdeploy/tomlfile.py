@@ -22,6 +22,7 @@ from typing import Annotated, Any, Generic, TypeVar
 import pydantic
 
 from sparkdeploy.errors import SparkDeployError
+from sparkdeploy.secrecy import MASK, is_secret_name
 
 KeyPath = tuple[str | int, ...]
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
@@ -455,6 +456,8 @@ def unknown_key_message(
 def _describe(error: Any) -> str:
     kind = error["type"]
     value = error.get("input")
+    if any(isinstance(part, str) and is_secret_name(part) for part in error.get("loc", ())):
+        value = MASK  # a value under a secret's name is never echoed, even a wrong one
     if kind == "missing":
         return "required key is missing: add it"
     if kind in ("string_type", "str_type") and isinstance(value, (list, dict)):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkdeploy.errors import RecipeError
+from sparkdeploy.secrecy import API_KEY_FLAG, MASK
 
 JSON_FLAGS = frozenset(
     {
@@ -73,6 +74,10 @@ class VllmArgs:
         flag = self.find(name)
         return flag.value if flag else None
 
+    def without(self, name: str) -> VllmArgs:
+        wanted = canonical_flag(name)
+        return VllmArgs(flags=tuple(flag for flag in self.flags if flag.canonical != wanted))
+
 
 def _json_error_position(text: str, error: json.JSONDecodeError) -> str:
     return (
@@ -117,6 +122,8 @@ def parse_args(
     flags: list[Flag] = []
     problems: list[str] = []
     seen: dict[str, Flag] = {}
+    secret_flag = canonical_flag(API_KEY_FLAG)
+    after_secret = False  # a stray value after --api-key is likely a second key: never echoed
     index = 0
     while index < len(args):
         token = args[index]
@@ -129,8 +136,9 @@ def parse_args(
             )
             continue
         if not is_flag(token):
+            shown = MASK if after_secret else repr(token)
             problems.append(
-                f"{where(start)}: stray value {token!r} with no flag before it; args are "
+                f"{where(start)}: stray value {shown} with no flag before it; args are "
                 "`--flag`, `--flag value` or `--flag=value` (the model goes in `model`)"
             )
             continue
@@ -144,7 +152,8 @@ def parse_args(
         else:
             value = None
         parsed = None
-        if value is not None:
+        after_secret = canonical_flag(name) == secret_flag
+        if value is not None and not after_secret:  # a key is passed as written, never echoed
             try:
                 value, parsed = _normalise_value(name, value)
             except ValueError as exc:

@@ -836,3 +836,40 @@ def test_repeats_a_sentence_word_for_word() -> None:
     from sparkdeploy.smoke import COPY_PROMPT, COPY_SENTENCE
 
     assert answer(COPY_PROMPT) == COPY_SENTENCE
+
+
+@pytest.mark.parametrize("where", ["flag", "env"])
+def test_an_api_key_guards_v1_as_vllm_does_and_the_probes_send_it(
+    engines: Engines, where: str
+) -> None:
+    from pydantic import SecretStr
+
+    from sparkdeploy.gate import probe_completion, probe_endpoint
+    from sparkdeploy.smoke import SmokeSettings, chat_stream
+    from sparkdeploy.smoke import chat as smoke_chat
+
+    key = "k-" + where
+    flags = ["--served-model-name", "tiny", "--max-model-len", "2048"]
+    if where == "flag":
+        # --api-key wins over VLLM_API_KEY (vllm/entrypoints/serve/middleware/register.py)
+        engine = engines.start(*flags, "--api-key", key, env={"VLLM_API_KEY": "other"})
+    else:
+        engine = engines.start(*flags, env={"VLLM_API_KEY": key})
+    engine.wait_ready()
+    assert get(engine.url("/health"))[0] == 200
+    assert get(engine.url("/v1/models"))[0] == 401
+    assert post(engine.url("/v1/completions"), {"model": "tiny", "prompt": "Hi"})[0] == 401
+    base = engine.url("")
+    refused = probe_endpoint(base, "tiny", timeout=5)
+    assert not refused.ready and "401" in refused.detail and "sets none" in refused.detail
+    assert "other than" in probe_endpoint(base, "tiny", timeout=5, api_key=SecretStr("no")).detail
+    assert probe_endpoint(base, "tiny", timeout=5, api_key=SecretStr(key)).ready
+    assert probe_completion(base, "tiny", timeout=30, api_key=SecretStr(key)).ready
+    keyless = SmokeSettings(base, "tiny", max_tokens=8)
+    assert (smoke_chat(keyless, "keyless", "Hi").error or "").startswith("HTTP 401")
+    keyed = SmokeSettings(base, "tiny", api_key=SecretStr(key), max_tokens=8)
+    assert smoke_chat(keyed, "keyed", "Hi").error is None
+    assert chat_stream(keyed, "streamed", "Hi").reply.error is None
+    assert key not in engine.log()
+    if where == "flag":
+        assert "'api_key': '***'" in engine.log()  # vLLM 0.32's non-default args line

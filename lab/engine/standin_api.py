@@ -7,6 +7,7 @@ POST /v1/chat/completions (plain and SSE streaming with a usage chunk) and /v1/c
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import socket
 import socketserver
@@ -25,6 +26,7 @@ except ImportError:  # copied flat into the engine image
     from standin_log import VLLM_VERSION, Logger  # type: ignore[no-redef]
 
 LONG_PROMPT_TOKENS = 64
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")  # vLLM 0.32's, behind an API key
 # Cap on generated tokens when a request sets no max_tokens (a loop must end somewhere).
 DEFAULT_MAX_TOKENS = 512
 
@@ -37,7 +39,7 @@ class ServingConfig:
     reasoning_parser: str | None
     tool_call_parser: str | None
     auto_tool_choice: bool
-    api_key: str | None
+    api_keys: tuple[str, ...]  # empty: /v1 is open
     block_size: int
     kv_cache_tokens: int
     token_delay_s: float
@@ -225,10 +227,16 @@ class ApiHandler(BaseHTTPRequestHandler):
         self.wfile.write(payload)
 
     def _authorized(self) -> bool:
-        key = self.state.config.api_key
-        if key is None or not self.path.startswith("/v1"):
+        """vLLM's AuthenticationMiddleware (vllm/entrypoints/serve/middleware/authenticate.py,
+        0.32): the guarded prefixes need `Authorization: Bearer` with one of the keys (scheme in
+        any case); other paths (/health, /metrics, ...) are open."""
+        keys = self.state.config.api_keys
+        if not keys or not self.path.startswith(GUARDED_PREFIXES):
             return True
-        if self.headers.get("Authorization") == f"Bearer {key}":
+        scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+        digest = hashlib.sha256(token.encode()).digest()
+        matched = [hmac.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys]
+        if scheme.lower() == "bearer" and any(matched):
             return True
         self._send_json(401, {"error": "Unauthorized"})
         return False

@@ -85,7 +85,6 @@ STRING_FLAGS: tuple[tuple[str, ...], ...] = (
     ("--chat-template",),
     ("--chat-template-content-format",),
     ("--response-role",),
-    ("--api-key",),
     ("--uvicorn-log-level",),
     ("--root-path",),
     ("--ssl-keyfile",),
@@ -275,6 +274,7 @@ def build_serve_parser() -> ServeArgumentParser:
     for flag in JSON_FLAGS:
         parser.add_argument(flag, type=loads, default=None)
     parser.add_argument("--logits-processors", nargs="+", default=None)
+    parser.add_argument("--api-key", nargs="+", default=None)  # a list[str] field in vLLM
     parser.add_argument("--middleware", action="append", default=None)
     return parser
 
@@ -303,10 +303,15 @@ def parse_command_line(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+# vLLM 0.32 logs these as "***" (redact_sensitive_args in
+# vllm/entrypoints/serve/utils/api_utils.py).
+SENSITIVE_ARGS = frozenset({"api_key", "hf_token", "watermark_config"})
+
+
 def non_default_args(args: argparse.Namespace) -> dict[str, Any]:
     """What vLLM logs as `non-default args: {...}` at startup."""
     return {
-        key: value
+        key: "***" if key in SENSITIVE_ARGS else value
         for key, value in vars(args).items()
         if value not in (None, False) and key != "model_tag"
     }

@@ -360,7 +360,9 @@ class StandinEngine:
             reasoning_parser=args.reasoning_parser,
             tool_call_parser=args.tool_call_parser,
             auto_tool_choice=bool(args.enable_auto_tool_choice),
-            api_key=args.api_key or self.env.get("VLLM_API_KEY") or None,
+            # --api-key wins over VLLM_API_KEY, as in vLLM 0.32
+            # (vllm/entrypoints/serve/middleware/register.py)
+            api_keys=tuple(key for key in (args.api_key or [self.env.get("VLLM_API_KEY")]) if key),
             block_size=args.block_size or 16,
             kv_cache_tokens=plan.tokens,
             token_delay_s=float(self.env.get("STANDIN_TOKEN_DELAY_S", "0.001")),

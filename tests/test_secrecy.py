@@ -1,0 +1,200 @@
+"""Secrets of a recipe: which values are secret, how the plan shows them (***), and the boot's
+env-file path that keeps them out of every argv a node's `ps` shows."""
+
+from __future__ import annotations
+
+import pickle
+import re
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+from typer.testing import CliRunner
+
+from sparkdeploy import boot
+from sparkdeploy.cli import app
+from sparkdeploy.cluster import load_cluster
+from sparkdeploy.errors import BootError, RecipeError
+from sparkdeploy.plan import Plan, make_plan
+from sparkdeploy.recipe import load_recipe
+from sparkdeploy.secrecy import is_secret_name, redact
+from sparkdeploy.ssh import CommandResult
+
+ROOT = Path(__file__).parent.parent
+SINGLE = ROOT / "recipes" / "lab-single" / "recipe.toml"
+EXAMPLE = ROOT / "clusters" / "dgx-spark-4.toml"
+KEY, TOKEN, MINE = "k3y-value", "t0ken-value", "m1ne-value"
+
+
+def write_recipe(tmp_path: Path, *, args: Sequence[str] = (), env: str = "", top: str = "") -> Path:
+    text = SINGLE.read_text()
+    text = text.replace("args = [\n", "args = [\n" + "".join(f'    "{a}",\n' for a in args))
+    text = text.replace("[env]\n", f"[env]\n{env}")
+    path = tmp_path / "lab-secret" / "recipe.toml"
+    path.parent.mkdir()
+    path.write_text(top + text)
+    return path
+
+
+@pytest.fixture
+def secret_plan(tmp_path: Path) -> Plan:
+    path = write_recipe(
+        tmp_path,
+        args=["--api-key", KEY],
+        env=f'SENTINEL_TOKEN = "{TOKEN}"\nMY_VAR = "{MINE}"\nPLAIN = "visible"\n',
+        top='secret_env = ["MY_VAR"]\n',
+    )
+    return make_plan(load_recipe(path), load_cluster(EXAMPLE))
+
+
+@pytest.mark.parametrize(
+    ("name", "secret"),
+    [
+        ("VLLM_API_KEY", True),
+        ("HF_TOKEN", True),
+        ("db_password", True),
+        ("AWS_SECRET_ACCESS_KEY", True),
+        ("MY_VAR", False),
+        ("OMP_NUM_THREADS", False),
+    ],
+)
+def test_secret_names(name: str, secret: bool) -> None:
+    assert is_secret_name(name) is secret
+    assert is_secret_name(name, ["MY_VAR"]) is (secret or name == "MY_VAR")
+
+
+def test_redact_masks_every_value() -> None:
+    text = f"docker said {KEY} and {TOKEN}"
+    assert redact(text, [SecretStr(KEY), None, SecretStr(""), SecretStr(TOKEN)]) == (
+        "docker said *** and ***"
+    )
+
+
+def test_the_plan_carries_secrets_wrapped_and_shows_them_as_stars(secret_plan: Plan) -> None:
+    [node] = secret_plan.nodes
+    spec = node.container
+    assert set(spec.secret_env) == {"SENTINEL_TOKEN", "MY_VAR", "VLLM_API_KEY"}
+    assert spec.env["PLAIN"] == "visible" and not set(spec.env) & set(spec.secret_env)
+    # --api-key became VLLM_API_KEY: a flag would show in `ps` inside the node
+    assert "--api-key" not in spec.command
+    assert spec.env_file() == (
+        f"SENTINEL_TOKEN={TOKEN}\nMY_VAR={MINE}\nVLLM_API_KEY={KEY}\n".encode()
+    )
+    assert secret_plan.api_key is not None and secret_plan.api_key.get_secret_value() == KEY
+    shown = [
+        " ".join(spec.docker_run_argv()),
+        repr(secret_plan),
+        str(secret_plan.model_dump()),
+        secret_plan.model_dump_json(),
+    ]
+    for text in shown:
+        assert not {KEY, TOKEN, MINE} & set(re.split(r"[\s'\"=,]", text)), text
+    assert '"api_key":"***"' in secret_plan.model_dump_json()
+    # Prefect pickles plans between tasks: the values survive the trip.
+    assert pickle.loads(pickle.dumps(secret_plan)) == secret_plan
+
+
+def test_sparkdeploy_plan_prints_stars(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, args=["--api-key", KEY], env=f'HF_TOKEN = "{TOKEN}"\n')
+    runner = CliRunner()
+    for options in ([], ["--json"]):
+        result = runner.invoke(app, ["plan", str(path), "--cluster", str(EXAMPLE), *options])
+        assert result.exit_code == 0, result.output
+        assert KEY not in result.output and TOKEN not in result.output
+        assert "***" in result.output
+    text = runner.invoke(app, ["plan", str(path), "--cluster", str(EXAMPLE)]).output
+    assert "--env-file <0600 file: HF_TOKEN=*** VLLM_API_KEY=***>" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "top", "problem"),
+    [
+        (["--api-key"], "", "", "--api-key needs a value"),
+        (["--api-key", KEY], f'VLLM_API_KEY = "{KEY}"\n', "", "both set the API key"),
+        ([], "", 'secret_env = ["NOPE"]\n', "secret_env names 'NOPE', which [env] does not"),
+        ([], 'MY_TOKEN = "a\\nb"\n', "", "env.MY_TOKEN (a secret) contains a line break"),
+        ([], "MY_TOKEN = 12345\n", "", "must be a string"),
+        (["--api-key", KEY, "second-key"], "", "", "stray value *** with no flag"),
+    ],
+)
+def test_recipe_problems_never_echo_a_secret(
+    tmp_path: Path, args: list[str], env: str, top: str, problem: str
+) -> None:
+    path = write_recipe(tmp_path, args=args, env=env, top=top)
+    with pytest.raises(RecipeError) as refused:
+        load_recipe(path)
+    message = str(refused.value)
+    assert problem in message
+    assert KEY not in message and "12345" not in message and "second-key" not in message
+
+
+class RecordingRunner:
+    """A node's SSH connection, run locally: commands are recorded, `docker` is a stub that
+    reports its argv and its env file (path, mode, content) and exits `exit_code`."""
+
+    def __init__(self, bin_dir: Path, exit_code: int = 0) -> None:
+        self.bin_dir = bin_dir
+        self.commands: list[tuple[str, ...]] = []
+        stub = bin_dir / "docker"
+        stub.write_text(
+            "#!/bin/sh\n"
+            'echo "argv: $*" >&2\n'
+            'if [ "$2" = --env-file ]; then stat -c "mode %a" "$3" >&2; cat "$3" >&2;'
+            ' echo "$3" >"$0.envfile"; fi\n'
+            f"[ {exit_code} = 0 ] && echo container-id\n"
+            f"exit {exit_code}\n"
+        )
+        stub.chmod(0o755)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        stdin: bytes | None = None,
+        check: bool = True,
+    ) -> CommandResult:
+        self.commands.append(tuple(argv))
+        done = subprocess.run(
+            list(argv),
+            input=stdin or b"",
+            capture_output=True,
+            timeout=timeout,
+            env={"PATH": f"{self.bin_dir}:/usr/bin:/bin"},
+        )
+        return CommandResult(tuple(argv), done.returncode, done.stdout, done.stderr)
+
+
+def test_boot_passes_secrets_in_a_0600_env_file_removed_after_the_run(
+    secret_plan: Plan, tmp_path: Path
+) -> None:
+    runner = RecordingRunner(tmp_path)
+    [node] = secret_plan.nodes
+    assert boot._run(runner, node, {"NCCL_IB_HCA": "mlx5_0"}) == "container-id"  # type: ignore[arg-type]
+    [argv] = runner.commands
+    assert all(value not in arg for arg in argv for value in (KEY, TOKEN, MINE))
+    assert "NCCL_IB_HCA=mlx5_0" in argv and node.container.image in argv
+    env_file = Path((tmp_path / "docker.envfile").read_text().strip())
+    assert not env_file.exists()
+
+
+def test_a_failed_run_removes_the_env_file_and_its_error_names_no_secret(
+    secret_plan: Plan, tmp_path: Path
+) -> None:
+    runner = RecordingRunner(tmp_path, exit_code=125)
+    with pytest.raises(BootError) as failed:
+        boot._run(runner, secret_plan.nodes[0], {})  # type: ignore[arg-type]
+    message = str(failed.value)
+    assert "exited 125" in message and "mode 600" in message  # the stub's stderr, quoted
+    assert "SENTINEL_TOKEN=***" in message and TOKEN not in message and KEY not in message
+    assert not Path((tmp_path / "docker.envfile").read_text().strip()).exists()
+
+
+def test_a_recipe_without_secrets_runs_docker_directly(tmp_path: Path) -> None:
+    plan = make_plan(load_recipe(SINGLE), load_cluster(EXAMPLE))
+    runner = RecordingRunner(tmp_path)
+    boot._run(runner, plan.nodes[0], {})  # type: ignore[arg-type]
+    [argv] = runner.commands
+    assert argv[:2] == ("docker", "run") and "--env-file" not in argv
