@@ -106,6 +106,6 @@ def diagnose(plan: Plan, states: dict[str, NodeState]) -> DeploymentDown | None:
     hint = FAILURE_HINTS.get(kind, FAILURE_HINTS["container_exited"])
     message = (
         f"deployment {plan.deployment_id} ({plan.recipe}) is down: {node}: {cause}\n"
-        f"log of the head {head}:\n{quoted}\nfix: {hint}; then tear it down and deploy again"
+        f"log of the head {head}:\n{quoted}\nfix: {hint}"
     )
     return DeploymentDown(message, node=node, kind=kind, cause=cause, excerpt=list(excerpt))
