@@ -66,8 +66,9 @@ def host_argv_and_env(
         "GLOO_SOCKET_IFNAME": "lo",
         "NCCL_SOCKET_IFNAME": "lo",
         "TMPDIR": str(workdir),
-        "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(workdir.parent / f"inductor-rank{rank}"),
+        # Kept across runs, as the recipe keeps them on each node: warm runs on both sides.
+        "VLLM_CACHE_ROOT": str(workdir.parent.parent / f"vllm-cache-rank{rank}"),
+        "TORCHINDUCTOR_CACHE_DIR": str(workdir.parent.parent / f"inductor-rank{rank}"),
     }
     for key in ("UCX_NET_DEVICES",):
         env.pop(key, None)
