@@ -52,6 +52,7 @@ from sparkdeploy.ssh import SshTarget
 COMMAND_TIMEOUT_S = 15
 READY_TIMEOUT_S = 30
 STOP_TIMEOUT_S = 4
+STOP_ROUNDS = 3
 NODEINIT = Path(__file__).resolve().parent / "nodeinit.py"
 NETNS_DIR = Path("/run/netns")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -622,13 +623,24 @@ class Lab:
             list(pool.map(_remove_all_containers, sockets))
 
     def _stop_processes(self, netns_names: list[str], cgroup_dirs: list[Path]) -> None:
-        pids: set[int] = set()
-        for name in netns_names:
-            pids.update(int(pid) for pid in run(["ip", "netns", "pids", name]).split())
-        for directory in cgroup_dirs:
-            pids.update(_cgroup_pids(directory))
-        pids.discard(os.getpid())
-        _terminate(pids)
+        """Every process in the lab's namespaces and cgroups, until none is left: the scan is
+        repeated because one may fork between a scan and its signal (an SSH session starting,
+        dockerd spawning a shim)."""
+        for _ in range(STOP_ROUNDS):
+            pids: set[int] = set()
+            for name in netns_names:
+                pids.update(int(pid) for pid in run(["ip", "netns", "pids", name]).split())
+            for directory in cgroup_dirs:
+                pids.update(_cgroup_pids(directory))
+            pids.discard(os.getpid())
+            pids = {pid for pid in pids if _alive(pid)}
+            if not pids:
+                return
+            _terminate(pids)
+        raise LabError(
+            f"lab {self.name!r}: processes kept appearing in its namespaces and cgroups after"
+            f" {STOP_ROUNDS} rounds of SIGTERM/SIGKILL; the last: {_describe(pids)}"
+        )
 
     def _leftover_mounts(self) -> list[str]:
         state_dir = str(self.layout.state_dir)
@@ -732,14 +744,39 @@ def _remove_all_containers(socket_path: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether any thread of the process still runs. A zombie leader is not enough: in an
+    exit_group the leader can turn Z while its other threads are still exiting and holding the
+    node's mounts and namespaces. A zombie that is not our child (re-parented to init, which
+    reaps when it likes) is gone; ours are reaped here."""
     process = _spawned.get(pid)
     if process is not None:
+        # waitpid returns only once every thread of the process has exited.
         return process.poll() is None
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    return state not in ("Z", "X")
+    for task in tasks:
+        try:
+            stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _describe(pids: Iterable[int]) -> str:
+    """PIDs with their command lines, for an error that says what would not stop."""
+    described = []
+    for pid in sorted(pids):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            command = " ".join(part.decode(errors="replace") for part in argv if part)
+        except (FileNotFoundError, ProcessLookupError):
+            command = "(gone)"
+        described.append(f"{pid} ({command[:120] or 'kernel thread or zombie'})")
+    return ", ".join(described)
 
 
 def _signal_all(pids: Iterable[int], signum: int) -> None:
@@ -751,7 +788,8 @@ def _signal_all(pids: Iterable[int], signum: int) -> None:
 
 
 def _terminate(pids: set[int]) -> None:
-    """SIGTERM, then SIGKILL what is left after STOP_TIMEOUT_S; waits until all are gone."""
+    """SIGTERM, then SIGKILL what is left after STOP_TIMEOUT_S; returns once every thread of
+    every one has exited (LabError naming them if any outlives the SIGKILL by STOP_TIMEOUT_S)."""
     _signal_all(pids, signal.SIGTERM)
     for signum in (signal.SIGKILL, None):
         deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -762,7 +800,11 @@ def _terminate(pids: set[int]) -> None:
         if not pids:
             break
         if signum is None:
-            raise LabError(f"lab processes {sorted(pids)} survived SIGKILL")
+            raise LabError(
+                f"lab processes still running {STOP_TIMEOUT_S} s after SIGKILL: {_describe(pids)};"
+                " look for a process stuck in the kernel (state D in /proc/PID/stat), e.g. on an"
+                " unreachable mount, and remove its cause before `python -m lab down` again"
+            )
         _signal_all(pids, signum)
     for pid in list(_spawned):
         if _spawned[pid].poll() is not None:

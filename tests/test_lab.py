@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import secrets
 import tarfile
 import time
@@ -16,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import TEST_LAB_NAME, lab_unavailable_reason
 from hfcache_layout import cache_repo
 
 from lab.cluster import Lab
 from lab.layout import FABRIC_NETDEV
 from lab.tinymodel import generate_repo
 from sparkdeploy.cluster import load_cluster
-from sparkdeploy.ssh import Connection, cached_connection, on_all
+from sparkdeploy.ssh import Connection, cached_connection, connect, on_all
 
 pytestmark = pytest.mark.lab
 
@@ -33,6 +35,50 @@ BOOT_S = 90.0
 def run(lab: Lab, node: str, *argv: str, stdin: bytes | None = None) -> str:
     result = cached_connection(lab.ssh_target(node)).run(argv, timeout=COMMAND_S, stdin=stdin)
     return result.stdout.decode()
+
+
+def _running_in(netns_inodes: set[int], cgroup_marker: str) -> list[str]:
+    """Processes with a thread still running whose netns or cgroup is one of the lab's. A
+    process fully exited but not yet reaped (re-parented to an init that reaps when it likes)
+    has no namespaces left and is not one."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            inode = (entry / "ns" / "net").stat().st_ino
+            cgroups = (entry / "cgroup").read_text()
+            states = [
+                (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                for task in (entry / "task").iterdir()
+            ]
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(state not in ("Z", "X") for state in states) and (
+            inode in netns_inodes or cgroup_marker in cgroups
+        ):
+            found.append(f"{entry.name} {command}")
+    return found
+
+
+def test_down_returns_once_every_process_of_the_lab_has_exited() -> None:
+    reason = lab_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    lab = Lab(f"{TEST_LAB_NAME}-down", 2)
+    lab.up()
+    try:
+        # A process in the node's netns outside the node's process tree (its session is over).
+        with connect(lab.ssh_target(lab.nodes[0])) as connection:
+            connection.run(
+                ["sh", "-c", "sleep 300 </dev/null >/dev/null 2>&1 &"], timeout=COMMAND_S
+            )
+        netns_inodes = {os.stat(f"/run/netns/{name}").st_ino for name in lab._existing_netns()}
+    finally:
+        lab.down()
+    assert _running_in(netns_inodes, lab.layout.cgroup_prefix) == []
+    assert lab.remains() == []
 
 
 def test_inventory_loads_and_names_every_node(lab_cluster: Lab) -> None:
