@@ -3,15 +3,21 @@
 
 from __future__ import annotations
 
-from prefect import task
+from typing import Any
+
+from prefect import Flow, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.client.schemas.objects import FlowRun
 from prefect.logging import get_run_logger
+from prefect.logging.loggers import flow_run_logger
+from prefect.states import State
+from prefect.utilities.callables import get_parameter_defaults
 
 from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.locks import release_nodes
-from sparkdeploy.project import find_cluster
-from sparkdeploy.targets import cluster_targets
+from sparkdeploy.locks import holders, release_nodes
+from sparkdeploy.project import find_cluster, load_plan
+from sparkdeploy.targets import cluster_targets, plan_targets
 from sparkdeploy.teardown import TeardownReport, teardown
 from tasks.common import artifact_key, retry_only
 
@@ -52,3 +58,42 @@ def teardown_deployment(deployment_id: str, cluster: str) -> TeardownReport:
         description=f"Container log excerpts of {deployment_id}",
     )
     return report
+
+
+def tear_down_cancelled_run(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """The deploy flow's on_cancellation hook: what the cancelled run started is torn down (logs
+    kept) and the nodes it holds let go.
+
+    With a process worker, the flow's process gets SIGTERM first and its own failure path may
+    tear down already; the worker runs this hook after that process has ended (SIGKILLed, maybe,
+    before its teardown finished), outside the run's context: it knows only the run's
+    parameters and plans again from them. It cleans the nodes this run holds and the free ones
+    (a container of this deployment on a free node is an orphan of this run), never a node
+    another run holds (an earlier run of the same recipe may be serving there). A killed
+    worker runs no hook: the run ends Crashed and the next deploy takes its nodes over
+    (sparkdeploy.locks).
+    """
+    logger = flow_run_logger(flow_run, flow)
+    parameters = {**get_parameter_defaults(flow.fn), **flow_run.parameters}
+    plan = load_plan(parameters["recipe"], parameters["cluster"], parameters["nodes"])
+    by_node = holders(plan.cluster, [node.node for node in plan.nodes])
+    ours = [
+        node
+        for node, holder in by_node.items()
+        if holder is None or holder.flow_run_id == str(flow_run.id)
+    ]
+    report = teardown(
+        plan.deployment_id,
+        {node: target for node, target in plan_targets(plan).items() if node in ours},
+        plan.runs_dir,
+        log=logger.info,
+    )
+    held = [node for node in ours if by_node[node] is not None]
+    released = release_nodes(plan.cluster, held, plan.deployment_id, log=logger.info)
+    removed = ", ".join(f"{c.name} on {c.node}" for c in report.removed) or "no container left"
+    others = [node for node in by_node if node not in ours]
+    logger.info(
+        f"cancelled: tore down {plan.deployment_id} ({removed}) on nodes {', '.join(ours)},"
+        f" released {', '.join(released) or 'none (none was still held by this run)'}"
+        + (f"; left {', '.join(others)} to the deployment holding them" if others else "")
+    )

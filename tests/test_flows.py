@@ -5,7 +5,9 @@ deployments, a blocked recipe refused, status and teardown."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,6 +106,62 @@ def test_full_deploy_through_a_worker_and_prefect_deployment_run(
             timeout=300,
         )
     except subprocess.SubprocessError:
+        print((tmp_path / "worker.log").read_text()[-5000:])
+        raise
+    finally:
+        stop_prefect_worker(worker)
+    nothing_runs(cluster)
+
+
+def test_a_deploy_cancelled_with_prefect_flow_run_cancel_tears_down_and_lets_go(
+    cluster: str, prefect_harness: Path, tmp_path: Path
+) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL
+
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "PREFECT_HOME": str(prefect_harness),
+    }
+    recipe = recipe_variant(tmp_path, "lab-slow", SINGLE, with_fault("slow_boot:30"))
+    register_deployments(env)
+    worker = start_worker(env, tmp_path / "worker.log")
+    try:
+        started = run_prefect(
+            env,
+            "deployment",
+            "run",
+            "deploy/deploy",
+            "-p",
+            f"recipe={recipe}",
+            "-p",
+            f"cluster={cluster}",
+        )
+        match = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout)
+        assert match, started.stdout
+        run_id = match.group(1)
+        inventory = load_cluster(Path(cluster))
+        deadline = time.monotonic() + 300
+        while not cluster_status(inventory):
+            assert time.monotonic() < deadline, "the deploy's boot never started"
+            time.sleep(1)
+        cancelled_at = time.monotonic()
+        run_prefect(env, "flow-run", "cancel", run_id)
+        with get_client(sync_client=True) as client:
+            while (state := client.read_flow_run(run_id).state) is None or not state.is_final():
+                assert time.monotonic() - cancelled_at < 90, f"still {state} 90 s after cancel"
+                time.sleep(1)
+            assert state.is_cancelled(), state
+            print(f"cancelled after {time.monotonic() - cancelled_at:.1f} s")
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+        messages = [log.message for log in logs]
+        assert any(
+            message.startswith("cancelled: tore down") and "node1" in message
+            for message in messages
+        ), messages[-20:]
+    except (subprocess.SubprocessError, AssertionError):
         print((tmp_path / "worker.log").read_text()[-5000:])
         raise
     finally:
