@@ -32,6 +32,11 @@ STDERR_TAIL_CHARS = 2000
 _READ_CHUNK = 65536
 # How often a streaming read wakes up to look at its stop event, deadline and idle time.
 STREAM_POLL_S = 0.1
+# A dead link (no FIN, no RST: a cable pulled, a node frozen) is noticed this fast: SSH keepalives
+# go out every KEEPALIVE_S, and the kernel drops the TCP connection once data has waited
+# LINK_LOST_S for its ACK, which ends the transport and fails the command running on it.
+KEEPALIVE_S = 2
+LINK_LOST_S = 10
 # After the output ends, how long to wait for the command's exit status to arrive.
 EXIT_STATUS_WAIT_S = 5.0
 # Reads the program's source off stdin (length in argv[1]), then runs it as __main__ with
@@ -139,6 +144,16 @@ class Connection:
                 progressed = True
             if at_eof:
                 break
+            if not channel.eof_received and (channel.closed or not _transport_alive(channel)):
+                # The connection died under the command (sshd gone, the link down): closed
+                # without the EOF that precedes every normal close. That is transient, and
+                # waiting for the deadline would only delay the retry. The client is closed so
+                # that cached_connection() reconnects for the retry.
+                self._client.close()
+                raise TransientRemoteError(
+                    f"{self.target}: the SSH connection was lost while `{command}` ran"
+                    f" (stderr so far: {_tail(stderr)}); the task retries on a new connection"
+                )
             stdin_pending = stdin_sent < len(stdin)
             if stdin_pending and channel.send_ready():
                 stdin_sent += channel.send(stdin[stdin_sent : stdin_sent + _READ_CHUNK])
@@ -203,7 +218,8 @@ class Connection:
 
         For commands that run until told otherwise (`docker logs -f`): the stream ends when the
         command exits, when `stop` is set, after `timeout` seconds in all, or after
-        `idle_timeout` seconds without output; `LineStream.ended` says which, and
+        `idle_timeout` seconds without output, or when the connection is lost;
+        `LineStream.ended` says which, and
         `LineStream.exit_code` holds the exit status once the command has exited.
         """
         argv = tuple(argv)
@@ -244,7 +260,7 @@ class Connection:
         self.close()
 
 
-StreamEnd = Literal["exited", "stopped", "timeout", "idle"]
+StreamEnd = Literal["exited", "stopped", "timeout", "idle", "lost"]
 
 
 class LineStream:
@@ -290,6 +306,11 @@ class LineStream:
                     if self._stop.is_set():  # close() from another thread
                         self.ended = "stopped"
                         return
+                    if not channel.eof_received:
+                        # The connection died (no EOF precedes the close): the command's fate
+                        # is unknown, so no exit status is made up (paramiko would say -1).
+                        self.ended = "lost"
+                        return
                     break
                 last_output = time.monotonic()
                 pending += chunk
@@ -318,6 +339,11 @@ class LineStream:
     def close(self) -> None:
         self._stop.set()
         self._channel.close()
+
+
+def _transport_alive(channel: paramiko.Channel) -> bool:
+    transport = channel.get_transport()
+    return transport is not None and transport.is_active()
 
 
 def _tail(data: bytes | bytearray) -> str:
@@ -384,6 +410,9 @@ def _open_client(target: SshTarget) -> paramiko.SSHClient:
         # Without it, a command's small packets wait out the peer's delayed ACK (Nagle):
         # measured on the lab, a `true` took 46 ms a round trip instead of 3.
         transport.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, LINK_LOST_S * 1000)
+    if transport is not None:
+        transport.set_keepalive(KEEPALIVE_S)
     return client
 
 

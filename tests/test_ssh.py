@@ -4,8 +4,12 @@ sources, host-key checking, transient connect failures, fan-out and the connecti
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
+import signal
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -130,3 +134,83 @@ def test_the_cache_reuses_a_live_connection_and_replaces_a_closed_one(lab_cluste
     assert second is not first and second.run(["true"], timeout=TIMEOUT_S).exit_code == 0
     close_cached()
     assert not second.is_active
+
+
+def _parent(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+def _cut_connection_under(lab: Lab, node: str, marker: str) -> tuple[int, float]:
+    """Once the command has written its PID to /tmp/<marker> on the node, SIGKILL the sshd
+    processes serving its connection (those below the node's listening sshd), as when sshd is
+    killed or the node reboots: the TCP connection closes under the command. Returns the
+    command's PID and when the connection was cut."""
+    master_sshd = lab.status()["processes"][f"{node}/sshd"]["pid"]
+    pid_file = lab.layout.node_dir(node) / "tmp" / marker
+    deadline = time.monotonic() + TIMEOUT_S
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.05)
+    command_pid = int(pid_file.read_text())
+    session = []
+    pid = _parent(command_pid)
+    while pid != master_sshd:
+        session.append(pid)
+        pid = _parent(pid)
+    cut_at = time.monotonic()
+    for pid in session:
+        os.kill(pid, signal.SIGKILL)
+    return command_pid, cut_at
+
+
+def test_a_connection_lost_mid_command_fails_fast_as_transient_and_the_retry_reconnects(
+    lab_cluster: Lab,
+) -> None:
+    node = "node2"
+    target = lab_cluster.ssh_target(node)
+    connection = cached_connection(target)
+    marker = f"pid-{secrets.token_hex(4)}"
+    failures: list[BaseException] = []
+
+    def long_command() -> None:
+        try:
+            connection.run(["sh", "-c", f'echo $$ > "/tmp/{marker}"; exec sleep 30'], timeout=60)
+        except BaseException as error:
+            failures.append(error)
+
+    runner = threading.Thread(target=long_command)
+    runner.start()
+    command_pid, cut_at = _cut_connection_under(lab_cluster, node, marker)
+    runner.join(TIMEOUT_S)
+    failed_after = time.monotonic() - cut_at
+    print(f"the lost connection failed the command after {failed_after:.2f} s")
+    os.kill(command_pid, signal.SIGKILL)
+    [failure] = failures
+    assert isinstance(failure, TransientRemoteError), failure
+    assert "connection was lost" in str(failure) and "sleep 30" in str(failure)
+    assert str(target) in str(failure)
+    assert failed_after < 3, f"the loss was noticed after {failed_after:.1f} s"
+    retried = cached_connection(target)
+    assert retried is not connection
+    assert retried.run(["true"], timeout=TIMEOUT_S).exit_code == 0
+
+
+def test_a_stream_whose_connection_is_lost_ends_lost_without_an_exit_status(
+    lab_cluster: Lab,
+) -> None:
+    node = "node3"
+    marker = f"pid-{secrets.token_hex(4)}"
+    stream = cached_connection(lab_cluster.ssh_target(node)).stream_lines(
+        ["sh", "-c", f'echo $$ > "/tmp/{marker}"; exec sleep 30'], timeout=60
+    )
+    lines: list[bytes] = []
+    reader = threading.Thread(target=lambda: lines.extend(stream))
+    reader.start()
+    command_pid, cut_at = _cut_connection_under(lab_cluster, node, marker)
+    reader.join(TIMEOUT_S)
+    ended_after = time.monotonic() - cut_at
+    os.kill(command_pid, signal.SIGKILL)
+    assert lines == []
+    assert (stream.ended, stream.exit_code) == ("lost", None)
+    assert ended_after < 3, f"the loss was noticed after {ended_after:.1f} s"
