@@ -26,6 +26,7 @@ from lab.prefect_local import stop_worker as stop_prefect_worker
 from sparkdeploy import engine_http
 from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import BootFailed, NodeLockError, RecipeBlocked, SmokeFailed
+from sparkdeploy.locks import holders
 from sparkdeploy.project import load_plan
 from sparkdeploy.ssh import cached_connection, close_cached
 from sparkdeploy.status import cluster_status
@@ -167,6 +168,27 @@ def test_a_deploy_cancelled_with_prefect_flow_run_cancel_tears_down_and_lets_go(
     finally:
         stop_prefect_worker(worker)
     nothing_runs(cluster)
+
+
+def test_the_cancellation_hook_alone_tears_down_what_a_killed_run_left(cluster: str) -> None:
+    """As when the worker SIGKILLs the flow's process at the end of its grace, before the
+    flow's own failure path has torn anything down: the hook, run by the worker with the run's
+    parameters only, removes the containers and lets the nodes go."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    from tasks.teardown import tear_down_cancelled_run
+
+    summary = deploy("lab-single", cluster=cluster, skip=["smoke"])
+    inventory = load_cluster(Path(cluster))
+    holder = holders(inventory.name, ["node1"])["node1"]
+    assert holder is not None and holder.flow_run_id is not None
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(holder.flow_run_id)
+    tear_down_cancelled_run(deploy, flow_run, Cancelling())
+    nothing_runs(cluster)
+    [kept_log] = (Path(inventory.nas.runs_dir) / summary.deployment_id).glob("node1*.log")
+    assert kept_log.stat().st_size > 0
 
 
 def test_blocked_recipe_is_refused_quoting_its_reason(cluster: str) -> None:
