@@ -4,7 +4,7 @@ snapshot_download and hf_hub_download call, served from a directory, with fault 
 Repos live at repos_dir/<org>/<name>/ (lab.tinymodel writes them). Each has one revision,
 `main`, whose commit sha is derived from the files' content; a sibling file
 repos_dir/<org>/<name>.gated (one token a line) makes the repo gated. Endpoints, as the client
-calls them (FACTS.md, "The Hugging Face hub"):
+calls them (docs/field.md, "The Hugging Face hub"):
 
     GET  /api/models/{repo}[/revision/{rev}][?blobs=true]   sha and siblings
     GET  /api/models/{repo}/tree/{rev}[/{path}]?recursive=  entries, paginated by a Link header

@@ -21,7 +21,7 @@ class LabModel:
 
 
 # DSV4.1-shaped: dense shards, then one Engram table per shard. Three heads give 6 hash
-# columns per layer, so each of TP 3's ranks owns two (FACTS.md's split).
+# columns per layer, so each of TP 3's ranks owns two (docs/field.md's split).
 TINY_DSV41 = LabModel(
     "lab/tiny-dsv41", num_shards=2, total_bytes=4 << 20, engram=EngramSpec(n_heads=3), tp_size=3
 )

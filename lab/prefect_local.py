@@ -21,7 +21,8 @@ from sparkdeploy.errors import SparkDeployError
 
 WORK_POOL = "sparkdeploy"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-# A fresh SQLite database takes about 20 s to migrate on 2 cores (FACTS.md); allow for a slow CI.
+# A fresh SQLite database takes about 20 s to migrate on 2 cores (docs/field.md); allow for a
+# slow CI.
 SERVER_START_TIMEOUT_S = 180.0
 # Prefect's client keeps an idle connection for 25 s and reuses it; a server that closes idle
 # connections sooner (uvicorn's default is 5 s) races the next request on one, which then fails

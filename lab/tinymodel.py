@@ -141,7 +141,7 @@ def first_mismatch(fd: int, data_begin: int, tensor_name: str, start: int, stop:
 
 @dataclass(frozen=True)
 class EngramSpec:
-    """A scaled-down Engram config: FACTS.md's column and TP rules with a small vocabulary."""
+    """A scaled-down Engram config: docs/field.md's column and TP rules with a small vocabulary."""
 
     layer_ids: tuple[int, ...] = (1, 3)
     vocab_size: int = 1000

@@ -5,7 +5,7 @@
    the image present with one ID on all nodes, the mount sources (composed dir, NAS cache)
    present, GPUs visible when the plan asks for GPUs, enough MemAvailable; optionally the page
    cache dropped first. The same round trip lists our stale containers there (any container
-   labelled sparkdeploy.deployment; FACTS.md says a worker that meets an old head hangs).
+   labelled sparkdeploy.deployment; docs/field.md: a worker that meets an old head hangs).
 2. where there are stale containers, those of this deployment (a stale copy of itself) and
    those whose deployment no longer holds the node go (their logs saved like teardown saves
    them), and those nodes are probed again, since the memory the stale ones held is free now.

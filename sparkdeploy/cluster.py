@@ -1,6 +1,6 @@
 """Cluster inventories (clusters/<name>.toml): the nodes, the NAS, docker and NCCL settings.
 
-The file format is fixed by /work/contracts.md and documented in docs/inventory.md. Per-node
+The file format is documented in docs/inventory.md. Per-node
 values are merged here ([ssh] and [node_defaults] under each [[nodes]] entry), so everything
 downstream sees one complete `Node` per machine.
 """
@@ -110,7 +110,7 @@ class NodePaths(_Strict):
     composed_root: str = "/var/tmp/sparkdeploy/composed"
 
 
-# What the field runs vLLM with (FACTS.md): RDMA needs unlimited locked memory.
+# What the field runs vLLM with (docs/field.md): RDMA needs unlimited locked memory.
 DEFAULT_ULIMITS = {"memlock": "-1", "stack": "67108864"}
 
 

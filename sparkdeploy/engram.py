@@ -3,7 +3,7 @@
 Standard library only, and importable as a single file: the staging step ships this source to
 the nodes over SSH and the lab's engine image copies it next to the engine stand-in.
 
-The rules (see FACTS.md, "Engram tables"): each Engram layer's table is made of
+The rules (see docs/field.md, "Engram tables"): each Engram layer's table is made of
 (max_ngram_size - 1) * n_heads hash columns, ordered by n-gram order then head, each of a prime
 size; rank r of TP size tp owns columns [r*part, r*part+part) with part = ceil(columns / tp).
 """
@@ -98,7 +98,7 @@ def is_prime(n: int) -> bool:
 def prime_columns(
     layer_count: int, max_ngram_size: int, vocab_size: int, n_heads: int
 ) -> tuple[tuple[int, ...], ...]:
-    """Per layer, the prime size of each hash column (FACTS.md's rule), before any check.
+    """Per layer, the prime size of each hash column (docs/field.md's rule), before any check.
 
     For each layer in order and each n-gram order in it, a counter starts at vocab_size - 1;
     each head takes the next prime above the counter that no earlier column has taken.

@@ -15,9 +15,9 @@ which a warm redeploy of many nodes on few cores felt. Where docker is configure
 another daemon (a non-unix DOCKER_HOST, a docker context) the docker CLI is asked instead, all
 questions at once.
 
-RDMA facts follow FACTS.md: an HCA is used when a port is ACTIVE on an Ethernet link layer (RoCE);
-NCCL_IB_GID_INDEX is the index of a RoCE v2 GID holding an IPv4-mapped address, preferably the
-node's fabric IP.
+RDMA facts follow docs/field.md: an HCA is used when a port is ACTIVE on an Ethernet link layer
+(RoCE); NCCL_IB_GID_INDEX is the index of a RoCE v2 GID holding an IPv4-mapped address,
+preferably the node's fabric IP.
 """
 
 from __future__ import annotations

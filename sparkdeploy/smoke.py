@@ -465,7 +465,7 @@ class SmokeReport:
         raise SmokeFailed(
             f"smoke test of {self.served_model_name!r} at {self.base_url} failed "
             f"{len(self.failed)} of {len(self.checks)} checks:\n{lines}\n"
-            "fix: the evidence names the failure mode (FACTS.md 'known silent failures'); "
+            "fix: the evidence names the failure mode (docs/field.md, 'Silent failure modes'); "
             "keep the deployment up to inspect it, or compare with the recipe's last good image"
         )
 

@@ -9,7 +9,7 @@ ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "clusters" / "dgx-spark-4.toml"
 BAD = Path(__file__).parent / "fixtures" / "bad" / "clusters"
 
-# The inventory of /work/contracts.md as the lab writes it (paths relative to the file).
+# The inventory format (docs/inventory.md) as the lab writes it (paths relative to the file).
 CONTRACT_INVENTORY = """\
 name = "lab"
 known_hosts = "known_hosts"

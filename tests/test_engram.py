@@ -1,4 +1,4 @@
-"""Engram geometry (FACTS.md's DSV4.1 numbers), safetensors headers and per-rank byte ranges."""
+"""Engram geometry (docs/field.md's DSV4.1 rules), safetensors headers and per-rank byte ranges."""
 
 import json
 import shutil

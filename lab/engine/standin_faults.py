@@ -1,4 +1,4 @@
-"""The fault switches (env STANDIN_FAULT) and the fatal lines vLLM prints (FACTS.md).
+"""The fault switches (env STANDIN_FAULT) and the fatal lines vLLM prints (docs/recipes.md#markers).
 
 STANDIN_FAULT is a comma-separated list of `name[:value][@rank[+rank...]]`; `@ranks` limits a
 switch to those node ranks (e.g. `crash@2` crashes node rank 2 only). lab/engine/README.md lists
