@@ -27,6 +27,7 @@ for whoever watches a deployment after it was ready.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import queue
 import re
@@ -130,6 +131,10 @@ class Failure:
     cause: str
     excerpt: list[str]
     log_node: str | None = None  # whose log the excerpt is, when not the failed node's
+
+    def followed_by(self, lines: Sequence[str]) -> Failure:
+        """The same failure with the log lines that came after the fatal one quoted too."""
+        return dataclasses.replace(self, excerpt=[*self.excerpt, *lines]) if lines else self
 
     def to_error(self, seconds: float) -> BootFailed:
         quoted = "\n".join(f"  | {line}" for line in self.excerpt)
@@ -276,13 +281,7 @@ def classify_log(
                     node_of_ip,
                 )
                 trailing = [_quote(text) for text in lines[index + 1 : index + 1 + LINES_AFTER]]
-                return Failure(
-                    failure.node,
-                    failure.kind,
-                    failure.cause,
-                    [*failure.excerpt, *trailing],
-                    failure.log_node,
-                )
+                return failure.followed_by(trailing)
     return None
 
 
@@ -639,15 +638,7 @@ class ReadinessGate:
                 break
             if isinstance(event, LogLine) and event.node == (failure.log_node or failure.node):
                 trailing.append(_quote(event.line))
-        if not trailing:
-            return failure
-        return Failure(
-            failure.node,
-            failure.kind,
-            failure.cause,
-            [*failure.excerpt, *trailing],
-            failure.log_node,
-        )
+        return failure.followed_by(trailing)
 
     def _wrong_name(self, served_model_name: str, probe: ProbeOutcome) -> Failure:
         return Failure(
