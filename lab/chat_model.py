@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lab.tinymodel import GeneratedRepo, _split_repo_id
+from lab.tinymodel import GeneratedRepo, repo_staging
 from sparkdeploy.errors import LabError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -469,21 +469,15 @@ def publish_chat_model(
     repos_dir: str | os.PathLike[str], model_dir: Path, repo_id: str = CHAT_MODEL_REPO
 ) -> GeneratedRepo:
     """Copy a trained model into repos_dir/<org>/<name>/ for the lab hub and index it."""
-    org, name = _split_repo_id(repo_id)
     missing = [file for file in MODEL_FILES if not (model_dir / file).is_file()]
     if missing:
         raise LabError(f"{model_dir} is no complete chat model: no {', '.join(missing)}")
-    org_dir = Path(repos_dir) / org
-    org_dir.mkdir(parents=True, exist_ok=True)
-    final = org_dir / name
-    staging = org_dir / f".{name}.publishing-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    final, staging = repo_staging(repos_dir, repo_id)
     for file in MODEL_FILES:
         shutil.copyfile(model_dir / file, staging / file)
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
-    (org_dir / f"{name}.gated").unlink(missing_ok=True)
+    final.with_name(f"{final.name}.gated").unlink(missing_ok=True)
     from lab.hub import index_repo
 
     index_repo(repos_dir, repo_id)

@@ -229,17 +229,12 @@ def generate_repo(
     one of them is sent. dense_holes leaves the dense weights as holes (zeros): instant to write
     for download benchmarks of many GiB; Engram tables always get their real content.
     """
-    org, name = _split_repo_id(repo_id)
     if num_shards < 1 or total_bytes < 0:
         raise ValueError(f"{repo_id}: need num_shards >= 1 and total_bytes >= 0")
     if engram is not None and tp_size is not None:
         _check_every_rank_has_rows(engram, tp_size)
-    org_dir = Path(repos_dir) / org
-    org_dir.mkdir(parents=True, exist_ok=True)
-    final = org_dir / name
-    staging = org_dir / f".{name}.generating-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    final, staging = repo_staging(repos_dir, repo_id)
+    org_dir, name = final.parent, final.name
 
     dense = _dense_shards(num_shards, total_bytes)
     tables = [] if engram is None else _engram_shards(engram)
@@ -301,6 +296,18 @@ def generate_repo(
     index_repo(repos_dir, repo_id, known_sha256=shard_sha256)
     files = tuple(sorted([*small_files, ".gitattributes", *shard_names]))
     return GeneratedRepo(final, repo_id, files, tuple(shard_names), engram_shards, config)
+
+
+def repo_staging(repos_dir: str | os.PathLike[str], repo_id: str) -> tuple[Path, Path]:
+    """(final, staging): the repo's dir under repos_dir and an empty dir beside it to write the
+    new copy in, renamed over the final one when complete (the hub never serves half a repo)."""
+    org, name = _split_repo_id(repo_id)
+    org_dir = Path(repos_dir) / org
+    org_dir.mkdir(parents=True, exist_ok=True)
+    staging = org_dir / f".{name}.writing-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return org_dir / name, staging
 
 
 def _split_repo_id(repo_id: str) -> tuple[str, str]:
