@@ -275,6 +275,7 @@ class SmokeSettings:
     base_url: str  # e.g. "http://10.77.0.11:8000"
     served_model_name: str
     api_key: SecretStr | None = None  # sent as a bearer token (the plan's api_key)
+    head_node: str = ""  # where the endpoint runs, for the failure message
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     tool_calls: bool = False  # the engine runs with --enable-auto-tool-choice
@@ -434,6 +435,7 @@ class SmokeReport:
     base_url: str
     served_model_name: str
     checks: list[SmokeCheck]
+    head_node: str = ""
 
     @property
     def passed(self) -> bool:
@@ -463,7 +465,9 @@ class SmokeReport:
             return
         lines = "\n".join(f"  {check.name}: {check.evidence}" for check in self.failed)
         raise SmokeFailed(
-            f"smoke test of {self.served_model_name!r} at {self.base_url} failed "
+            f"smoke test of {self.served_model_name!r} at {self.base_url}"
+            + (f" (head node {self.head_node})" if self.head_node else "")
+            + " failed "
             f"{len(self.failed)} of {len(self.checks)} checks:\n{lines}\n"
             "fix: the evidence names the failure mode (docs/field.md, 'Silent failure modes'); "
             "keep the deployment up to inspect it, or compare with the recipe's last good image"
@@ -690,4 +694,4 @@ def run_smoke(settings: SmokeSettings) -> SmokeReport:
     checks.append(_detector_check("no_token_loops", replies, _loop_in))
     checks.append(_detector_check("no_garbled_text", replies, _garbled_in))
     checks.append(_detector_check("no_empty_content", replies, _empty_in))
-    return SmokeReport(settings.base_url, settings.served_model_name, checks)
+    return SmokeReport(settings.base_url, settings.served_model_name, checks, settings.head_node)

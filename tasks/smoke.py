@@ -39,6 +39,7 @@ def smoke_settings(plan: Plan, *, request_timeout_s: float | None = None) -> Smo
         plan.endpoint,
         plan.served_model_name,
         api_key=plan.api_key,
+        head_node=head_of(plan).node,
         chat_template_kwargs=dict(plan.smoke.chat_template_kwargs),
         tool_calls=has_flag(argv, AUTO_TOOL_CHOICE_FLAG),
         reasoning=has_flag(argv, REASONING_PARSER_FLAG),
