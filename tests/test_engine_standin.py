@@ -715,6 +715,21 @@ FATAL_KINDS = {
     "dist_network": "distributed_connect_timeout",
     "engine_timeout": "engine_ready_timeout",
     "engine_core_failed": "engine_core_init_failed",
+    **{
+        kind: kind
+        for kind in (
+            "nccl_error",
+            "dist_backend_error",
+            "dist_store_error",
+            "workers_never_joined",
+            "worker_proc_died",
+            "rpc_timed_out",
+            "engine_core_proc_died",
+            "engine_core_fatal",
+            "engine_dead",
+            "worker_died",
+        )
+    },
 }
 SEED_FATAL_LINES = {
     "glm_mla_stride": "GLM MLA parent-page stride must be an exact number of C4 pages",

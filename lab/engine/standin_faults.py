@@ -26,6 +26,18 @@ FATAL_PHASES = {
     "engine_core_failed": "kv_cache",
     "glm_mla_stride": "kv_cache",
     "fp8_kv_fa3": "kv_cache",
+    # The distributed layer's and the engine core's deaths (vllm_markers.py names the upstream
+    # file of each), while the weights load: what a GPU cluster prints and a CPU one cannot.
+    "nccl_error": "load",
+    "dist_backend_error": "load",
+    "dist_store_error": "load",
+    "workers_never_joined": "load",
+    "worker_proc_died": "load",
+    "rpc_timed_out": "load",
+    "engine_core_proc_died": "load",
+    "engine_core_fatal": "load",
+    "engine_dead": "load",
+    "worker_died": "load",
 }
 
 SWITCHES = (
@@ -40,6 +52,7 @@ SWITCHES = (
     "bad_after",
     "hang_long_prompt",
     "die_after_ready",
+    "allocate",
 )
 
 
@@ -123,5 +136,40 @@ def fatal_lines(kind: str, env: Mapping[str, str], *, master: tuple[str, int]) -
             "ValueError: GLM MLA parent-page stride must be an exact number of C4 pages"
         ],
         "fp8_kv_fa3": ["ValueError: FP8 KV cache requires FA3 on SM90 or FA4 on SM100"],
+        "nccl_error": [
+            "torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/"
+            "c10d/ProcessGroupNCCL.cpp:3356, unhandled system error (run with NCCL_DEBUG=INFO "
+            "for details), NCCL version 2.27.3"
+        ],
+        "dist_backend_error": [
+            "torch.distributed.DistBackendError: [Rank 1] Process group watchdog thread "
+            "terminated with exception: [Rank 1] Watchdog caught collective operation timeout"
+        ],
+        "dist_store_error": [
+            "torch.distributed.DistStoreError: wait timeout after 300000ms, keys: "
+            "/default_pg//cpu//0"
+        ],
+        "workers_never_joined": [
+            "torch.distributed.DistStoreError: Timed out after 1801 seconds waiting for clients."
+            " 1/2 clients joined."
+        ],
+        "worker_proc_died": [
+            "Worker proc Worker_TP1 died unexpectedly (exit code: -9), shutting down executor."
+        ],
+        "rpc_timed_out": ["TimeoutError: RPC call to execute_model timed out."],
+        "engine_core_proc_died": [
+            "RuntimeError: Engine core process EngineCore_DP0 died unexpectedly."
+        ],
+        "engine_core_fatal": ["EngineCore encountered a fatal error."],
+        "engine_dead": [
+            "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See "
+            "stack trace (above) for the root cause."
+        ],
+        "worker_died": [
+            "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
+            f" Connection closed by peer [{master[0]}]:{master[1]}. This is typically caused by "
+            "a remote worker crashing. Check the logs of the remote worker before reporting an "
+            "error."
+        ],
     }
     return lines[kind]

@@ -90,6 +90,8 @@ class StandinEngine:
         self.server: StandinServer | None = None
         self.state: EngineState | None = None
         self.exit_code: int | None = None
+        # What the `allocate` switch holds on to until the engine exits.
+        self.allocated = b""
         self.stopped = threading.Event()
 
     # -- the boot, in vLLM's order ------------------------------------------------------------
@@ -287,6 +289,9 @@ class StandinEngine:
             raise RuntimeError("STANDIN_FAULT=crash: the engine stand-in crashed loading weights")
         if self.faults.has("exit137"):
             _kill_self()
+        if self.faults.has("allocate"):
+            # Every page written, so the kernel charges it: weights bigger than the memory.
+            self.allocated = b"\x01" * (int(self.faults.number("allocate", 256)) << 20)
         self.strike("load")
         model = model_io.load_model(self.args.model, self.args.revision, self.env)
         tp_ranks = sorted({rank % self.tp for rank in self.local_ranks()})
