@@ -21,7 +21,7 @@ from tasks.runlabels import label_flow_run
 from tasks.smoke import smoke_test
 from tasks.stage_engram import stage_engram_on_nodes
 from tasks.summary import publish_summary
-from tasks.teardown import tear_down_cancelled_run, teardown_deployment
+from tasks.teardown import tear_down_abandoned_run, teardown_deployment
 
 # Steps a deploy may skip, e.g. skip=["prefetch"] when the NAS is known to be complete.
 Step = Literal["prefetch", "stage", "image", "compose", "smoke"]
@@ -32,8 +32,10 @@ Step = Literal["prefetch", "stage", "image", "compose", "smoke"]
     flow_run_name="deploy {recipe} on {cluster}",
     description="Plan, prefetch, stage, image, compose, boot, readiness gate, smoke test.",
     log_prints=False,
-    # Cancelled from the UI or `prefect flow-run cancel`: nothing of the run is left running.
-    on_cancellation=[tear_down_cancelled_run],
+    # Cancelled from the UI or `prefect flow-run cancel`, or its process killed: nothing of the
+    # run is left running, and its nodes are free.
+    on_cancellation=[tear_down_abandoned_run],
+    on_crashed=[tear_down_abandoned_run],
 )
 def deploy(
     recipe: str,

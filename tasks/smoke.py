@@ -44,7 +44,9 @@ def smoke_settings(plan: Plan, *, request_timeout_s: float | None = None) -> Smo
         tool_calls=has_flag(argv, AUTO_TOOL_CHOICE_FLAG),
         reasoning=has_flag(argv, REASONING_PARSER_FLAG),
         max_tokens=plan.smoke.max_tokens or defaults.max_tokens,
-        request_timeout_s=request_timeout_s or defaults.request_timeout_s,
+        request_timeout_s=(
+            request_timeout_s or plan.smoke.request_timeout_s or defaults.request_timeout_s
+        ),
     )
 
 

@@ -1,9 +1,12 @@
-"""Helpers of the flow tests on the lab: recipe variants written for one test, and the check
-that a deployment left nothing behind (no container of ours, no node held)."""
+"""Helpers of the flow tests on the lab: recipe variants written for one test, the check that
+a deployment left nothing behind (no container of ours, no node held), and where the fault
+matrix leaves its table of measured detection times for the end of the pytest output."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from sparkdeploy.cluster import load_cluster
 from sparkdeploy.locks import holders
@@ -26,3 +29,7 @@ def recipe_variant(tmp_path: Path, name: str, source: Path, *replacements: tuple
     path.parent.mkdir(parents=True)
     path.write_text(text)
     return str(path.parent)
+
+
+# (path of the table, the table) once tests/test_fault_matrix.py has measured its faults.
+FAULT_MATRIX_TABLE = pytest.StashKey[tuple[str, str]]()

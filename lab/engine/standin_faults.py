@@ -11,9 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 try:
-    from lab.engine.standin_net import engine_timeout_line
+    from lab.engine.standin_net import engine_timeout_line, gloo_peer_closed_line
 except ImportError:  # copied flat into the engine image
-    from standin_net import engine_timeout_line  # type: ignore[no-redef]
+    from standin_net import (  # type: ignore[no-redef]
+        engine_timeout_line,
+        gloo_peer_closed_line,
+    )
 
 # Where in the boot each fatal kind strikes, and what it prints.
 FATAL_PHASES = {
@@ -165,11 +168,6 @@ def fatal_lines(kind: str, env: Mapping[str, str], *, master: tuple[str, int]) -
             "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See "
             "stack trace (above) for the root cause."
         ],
-        "worker_died": [
-            "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
-            f" Connection closed by peer [{master[0]}]:{master[1]}. This is typically caused by "
-            "a remote worker crashing. Check the logs of the remote worker before reporting an "
-            "error."
-        ],
+        "worker_died": [gloo_peer_closed_line(master[0], 1)],
     }
     return lines[kind]

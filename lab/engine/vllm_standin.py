@@ -29,6 +29,7 @@ try:
         HeadRendezvous,
         WorkerRendezvous,
         check_node_network,
+        gloo_peer_closed_line,
         headless_line,
     )
 except ImportError:  # copied flat into the engine image
@@ -46,6 +47,7 @@ except ImportError:  # copied flat into the engine image
         HeadRendezvous,
         WorkerRendezvous,
         check_node_network,
+        gloo_peer_closed_line,
         headless_line,
     )
 
@@ -440,15 +442,9 @@ class StandinEngine:
 
     def worker_lost(self, node_rank: int, host: str) -> None:
         # vLLM 0.32: TP rank 0's gloo pair reports the peer, then the engine core dies.
-        gloo = (
-            "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
-            f" Connection closed by peer [{host}]:{29500 + node_rank}. This is typically caused "
-            "by a remote worker crashing. Check the logs of the remote worker before reporting "
-            "an error."
-        )
         worker = self.worker_log(0)
         worker.error("multiproc_executor.py:1063", "WorkerProc hit an exception.")
-        worker.error("multiproc_executor.py:1063", gloo)
+        worker.error("multiproc_executor.py:1063", gloo_peer_closed_line(host, node_rank))
         self.engine_died(f"the worker on node rank {node_rank} ({host}) is gone")
 
     def engine_died(self, cause: str) -> None:
