@@ -12,6 +12,12 @@ container sees the node-local file through the composed mount alone). It is buil
 dir beside the root and swapped in by one rename; a content key stored in it (sources, their
 snapshot shas and entries, the local files' inode/size/mtime) lets an unchanged composition be
 left alone.
+
+The key lives in the root's CACHEDIR.TAG (the Cache Directory Tagging Specification,
+https://bford.info/cachedir/: a signature line, then free text). huggingface_hub's cache scanner
+skips that one name (huggingface_hub/utils/_cache_manager.py, scan_cache_dir), so `hf cache`
+commands on a node read the composed dir as a clean cache, and backup tools skip a dir that is
+rebuilt from the NAS anyway.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from typing import Any
 
 from sparkdeploy.node_hfcache import SnapshotNotFound, repo_dir, resolve_snapshot
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FAILED_EXIT = 3
-KEY_FILE = ".sparkdeploy-composed.json"
+KEY_FILE = "CACHEDIR.TAG"
+CACHEDIR_SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55"
+KEY_LINE_PREFIX = "# sparkdeploy-key: "
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -100,8 +108,8 @@ def compose(
     if existing is None and os.path.isdir(root) and os.listdir(root):
         raise ComposeFailure(
             "foreign_dir",
-            f"{root} exists, is not empty and was not built by sparkdeploy (no {KEY_FILE}); "
-            "move it away or point the cluster's composed_root elsewhere",
+            f"{root} exists, is not empty and was not built by sparkdeploy (no {KEY_FILE} with"
+            " its key); move it away or point the cluster's composed_root elsewhere",
         )
     parent = os.path.dirname(os.path.abspath(root))
     os.makedirs(parent, exist_ok=True)
@@ -119,7 +127,12 @@ def compose(
                         os.path.join(_snapshot_dir(root, source), name),
                     )
         with open(os.path.join(building, KEY_FILE), "w", encoding="utf-8") as key_file:
-            json.dump(key, key_file, indent=1)
+            key_file.write(
+                f"{CACHEDIR_SIGNATURE}\n"
+                "# A model cache composed by sparkdeploy from the NAS; it is rebuilt on demand.\n"
+                "# For information about cache directory tags see https://bford.info/cachedir/\n"
+                f"{KEY_LINE_PREFIX}{json.dumps(key, sort_keys=True)}\n"
+            )
         status = _swap_in(building, root)
     finally:
         shutil.rmtree(building, ignore_errors=True)
@@ -213,10 +226,19 @@ def _hardlink(local: str, entry: str, final_entry: str) -> None:
 def _read_key(root: str) -> dict[str, Any] | None:
     try:
         with open(os.path.join(root, KEY_FILE), encoding="utf-8") as key_file:
-            data = json.load(key_file)
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
+            lines = key_file.read().splitlines()
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
         return None
-    return data if isinstance(data, dict) else None
+    if not lines or lines[0] != CACHEDIR_SIGNATURE:
+        return None
+    for line in lines[1:]:
+        if line.startswith(KEY_LINE_PREFIX):
+            try:
+                data = json.loads(line[len(KEY_LINE_PREFIX) :])
+            except json.JSONDecodeError:
+                return None
+            return data if isinstance(data, dict) else None
+    return None
 
 
 def _remove_leftovers(parent: str, name: str) -> None:

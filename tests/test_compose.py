@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from hfcache_layout import cache_repo, commit_of
-from huggingface_hub import snapshot_download
+from huggingface_hub import scan_cache_dir, snapshot_download
 from local_node import LocalPython
 
 from lab.tinymodel import EngramSpec, generate_repo
@@ -94,6 +94,15 @@ def test_hf_hub_resolves_the_composed_model_offline(layout: Layout) -> None:
     assert json.loads((resolved / "config.json").read_text())["lab_revision"] == "1"
     local = layout.local_files[0]
     assert (resolved / local.name).read_bytes() == local.read_bytes()
+
+
+def test_huggingface_hub_scans_the_composed_dir_as_a_clean_cache(layout: Layout) -> None:
+    run(layout)
+    scanned = scan_cache_dir(layout.root)
+    assert scanned.warnings == []
+    (repo,) = scanned.repos
+    assert repo.repo_id == REPO
+    assert [revision.commit_hash for revision in repo.revisions] == [commit_of(REPO, "1")]
 
 
 def test_pinned_revision_gets_its_ref(layout: Layout) -> None:

@@ -565,6 +565,9 @@ def test_the_cache_resolves_offline_exactly_as_huggingface_hub_writes_it(
         assert Path(path).read_bytes() == (repos_dir / TINY / f.path).read_bytes()
     loaded = load_model(TINY, None, {"HF_HUB_CACHE": str(nas), "HF_HUB_OFFLINE": "1"})
     assert loaded.snapshot == Path(outcome.snapshot_dir) and loaded.shards
+    scanned = huggingface_hub.scan_cache_dir(nas)
+    assert scanned.warnings == []
+    assert [repo.repo_id for repo in scanned.repos] == [TINY]
 
 
 def resident_bytes(path: Path) -> int:
