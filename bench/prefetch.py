@@ -1,4 +1,4 @@
-"""Benchmark of sparkdeploy.prefetch against the lab hub on loopback.
+"""Benchmark of sparkdeploy.steps.prefetch against the lab hub on loopback.
 
 The hub runs as its own process (`python -m lab.hub`), so it does not share this process's GIL
 with the clients being measured; its fault switches and byte counter are used over HTTP.
@@ -45,7 +45,7 @@ sys.path[:1] = [str(REPO_ROOT)]
 
 from bench.cpu import CpuUsage, measured  # noqa: E402
 from lab.tinymodel import generate_repo  # noqa: E402
-from sparkdeploy.prefetch import HubAccess, RepoSpec, human_bytes, prefetch  # noqa: E402
+from sparkdeploy.steps.prefetch import HubAccess, RepoSpec, human_bytes, prefetch  # noqa: E402
 
 REPO = "bench-org/big"
 READ_CHUNK = 1 << 20

@@ -10,7 +10,7 @@ Topology (names and addresses from lab.layout, derived from the lab's name):
 The bridge sits in its own namespace so node-to-node traffic never crosses the host's firewall.
 Each node runs lab/nodeinit.py in its own mount and UTS namespaces (own /run, /tmp + /var/tmp,
 /var/lib/docker, /etc/ssh, /etc/docker, /etc/hosts, hostname), which starts the node's dockerd
-and becomes its sshd. Everything lives under <lab root>/<name>/ (sparkdeploy.project.lab_root:
+and becomes its sshd. Everything lives under <lab root>/<name>/ (sparkdeploy.model.project.lab_root:
 /srv/sparkdeploy-lab unless SPARKDEPLOY_LAB_ROOT says otherwise); `down` removes it all.
 """
 
@@ -46,8 +46,8 @@ from lab.layout import (
     runtimes_dir,
 )
 from sparkdeploy.errors import LabError
-from sparkdeploy.node_probe import EngineApi
-from sparkdeploy.ssh import SshTarget
+from sparkdeploy.node.probe import EngineApi
+from sparkdeploy.remote.ssh import SshTarget
 
 COMMAND_TIMEOUT_S = 15
 READY_TIMEOUT_S = 30

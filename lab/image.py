@@ -35,7 +35,7 @@ from docker.errors import DockerException
 from lab.cluster import Lab, run
 from lab.layout import ENGINE_IMAGE, REPO_ROOT
 from sparkdeploy.errors import LabError
-from sparkdeploy.project import lab_root
+from sparkdeploy.model.project import lab_root
 
 BUSYBOX = Path("/usr/bin/busybox")
 IMAGE_PYTHON_PREFIX = PurePosixPath("/usr/local")
@@ -186,7 +186,7 @@ class ImageInputs:
             )
         sources = [(path, path.name) for path in sorted(engine_dir.glob("*.py"))]
         sources += [
-            (REPO_ROOT / "sparkdeploy" / "engram.py", "engram.py"),
+            (REPO_ROOT / "sparkdeploy" / "node" / "engram.py", "engram.py"),
             (REPO_ROOT / "lab" / "tinymodel.py", "tinymodel.py"),
         ]
         return cls(

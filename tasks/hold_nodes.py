@@ -1,14 +1,15 @@
-"""Prefect task: the plan's nodes held for its deployment (logic in sparkdeploy.locks)."""
+"""Prefect task: the plan's nodes held for its deployment (logic in
+sparkdeploy.steps.hold_nodes)."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.logging import get_run_logger
 
-from sparkdeploy.docker_remote import deployments_present
-from sparkdeploy.locks import DEFAULT_TIMEOUT_S, acquire_nodes, release_nodes
-from sparkdeploy.plan import Plan
-from sparkdeploy.targets import plan_targets
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.remote.docker_cli import deployments_present
+from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.steps.hold_nodes import DEFAULT_TIMEOUT_S, acquire_nodes, release_nodes
 
 
 @task(name="hold-nodes")

@@ -1,4 +1,4 @@
-"""Prefect task: the recipe's engine image on every node (logic in sparkdeploy.images)."""
+"""Prefect task: the recipe's engine image on every node (logic in sparkdeploy.steps.image)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.images import ImageReport, ensure_image
-from sparkdeploy.plan import Plan
-from sparkdeploy.project import find_image_dir
-from sparkdeploy.targets import plan_targets
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.model.project import find_image_dir
+from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.steps.image import ImageReport, ensure_image
 from tasks.common import artifact_key, retry_only
 
 

@@ -1,4 +1,4 @@
-"""Prefect task: every repo of the plan into the NAS HF cache (logic in sparkdeploy.prefetch).
+"""Prefect task: every repo of the plan into the NAS HF cache (logic in sparkdeploy.steps.prefetch).
 
 The hub token is read here, inside the task, from the Prefect Secret block `hf-token` or
 HF_TOKEN: it is never a task parameter, so it never lands in the run's recorded parameters, logs
@@ -25,7 +25,7 @@ from prefect.blocks.system import Secret
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientPrefetchError
-from sparkdeploy.prefetch import (
+from sparkdeploy.steps.prefetch import (
     PUBLIC_HUB,
     TOKEN_SECRET_BLOCK,
     HubAccess,

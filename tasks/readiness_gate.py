@@ -1,4 +1,5 @@
-"""Prefect task: the readiness gate over a booted deployment (logic in sparkdeploy.readiness).
+"""Prefect task: the readiness gate over a booted deployment (logic in
+sparkdeploy.steps.follow_logs).
 
 No retries: a boot that failed is not transient, and waiting again would only hide its cause.
 The boot-timeline artifact is written however the gate ends, so a failed boot shows how far it
@@ -14,9 +15,9 @@ from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import BootFailed
-from sparkdeploy.gate import GateResult, ReadinessGate
-from sparkdeploy.plan import Plan
-from sparkdeploy.readiness import gate_for, wait_until_ready
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.steps.follow_logs import gate_for, wait_until_ready
+from sparkdeploy.steps.readiness_gate import GateResult, ReadinessGate
 from tasks.common import artifact_key
 
 

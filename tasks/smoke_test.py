@@ -1,4 +1,4 @@
-"""Prefect task: the smoke test of a ready deployment (logic in sparkdeploy.smoke).
+"""Prefect task: the smoke test of a ready deployment (logic in sparkdeploy.steps.smoke_test).
 
 The checks that depend on the engine's flags (a tool call with --enable-auto-tool-choice,
 reasoning with --reasoning-parser) are chosen from the head's serve argv in the plan. No retries:
@@ -13,9 +13,8 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
-from sparkdeploy.plan import Plan
-from sparkdeploy.readiness import head_of
-from sparkdeploy.smoke import SmokeReport, SmokeSettings, run_smoke
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.steps.smoke_test import SmokeReport, SmokeSettings, run_smoke
 from tasks.common import artifact_key
 
 AUTO_TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
@@ -24,7 +23,7 @@ REASONING_PARSER_FLAG = "--reasoning-parser"
 
 def head_serve_argv(plan: Plan) -> list[str]:
     """The head's `vllm serve ...` argv: Ray's exec'd serve, else the container's command."""
-    head = head_of(plan)
+    head = plan.head
     return head.serve_exec or [*head.container.entrypoint, *head.container.command]
 
 

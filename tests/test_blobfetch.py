@@ -1,5 +1,5 @@
-"""sparkdeploy.blobfetch against tiny loopback servers that misbehave in ways the lab hub does not:
-Range ignored, a redirect loop, an error status with the hub's reason."""
+"""sparkdeploy.remote.blobfetch against tiny loopback servers that misbehave in ways the lab hub
+does not: Range ignored, a redirect loop, an error status with the hub's reason."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from sparkdeploy import blobfetch
+from sparkdeploy.remote import blobfetch
 
 DATA = os.urandom(3 << 20)
 

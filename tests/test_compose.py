@@ -19,8 +19,9 @@ from huggingface_hub import scan_cache_dir, snapshot_download
 from local_node import LocalPython
 
 from lab.tinymodel import EngramSpec, generate_repo
-from sparkdeploy import compose, staging
 from sparkdeploy.errors import ComposeError
+from sparkdeploy.steps import compose_model as compose
+from sparkdeploy.steps import stage_engram as staging
 
 REPO = "lab-org/TinyEngram"
 STANDIN = Path(__file__).resolve().parents[1] / "lab" / "engine" / "vllm_standin.py"

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from sparkdeploy.errors import BootFailed
-from sparkdeploy.gate import (
+from sparkdeploy.steps.readiness_gate import (
     BootWatch,
     ContainerExited,
     ContainerMissing,
@@ -24,7 +24,7 @@ from sparkdeploy.gate import (
     follow_lines,
     probe_endpoint,
 )
-from sparkdeploy.vllm_markers import DEFAULT_FAILURE_MARKERS, Marker
+from sparkdeploy.vllm.markers import DEFAULT_FAILURE_MARKERS, Marker
 
 HEAD_0_11 = [
     "(APIServer pid=1) INFO 10-20 08:12:01 [api_server.py:1839] vLLM API server version 0.11.0",

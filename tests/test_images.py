@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 
 from lab.cluster import Lab
-from sparkdeploy.docker_remote import registry_error
 from sparkdeploy.errors import ImageError, RemoteError, TransientRemoteError
-from sparkdeploy.images import (
+from sparkdeploy.remote.docker_cli import registry_error
+from sparkdeploy.remote.ssh import CommandResult, cached_connection
+from sparkdeploy.steps.image import (
     CONTEXT_LABEL,
     build_context,
     ensure_image,
     registry_reference,
     same_image_id,
 )
-from sparkdeploy.ssh import CommandResult, cached_connection
 
 
 def _failed(stderr: str) -> CommandResult:

@@ -14,10 +14,11 @@ from prefect.client.base import PrefectHttpxSyncClient
 from prefect.states import Completed, Running, State
 
 from lab.cluster import Lab
-from sparkdeploy import locks
-from sparkdeploy.docker_remote import DEPLOYMENT_LABEL, deployments_present
 from sparkdeploy.errors import NodeLockError
-from sparkdeploy.locks import (
+from sparkdeploy.remote.docker_cli import DEPLOYMENT_LABEL, deployments_present
+from sparkdeploy.remote.ssh import cached_connection
+from sparkdeploy.steps import hold_nodes as locks
+from sparkdeploy.steps.hold_nodes import (
     NodeHolder,
     acquire_nodes,
     holder_decision,
@@ -25,7 +26,6 @@ from sparkdeploy.locks import (
     holders,
     release_nodes,
 )
-from sparkdeploy.ssh import cached_connection
 
 
 def test_second_deployment_waits_then_fails_naming_the_holder(prefect_harness: Path) -> None:

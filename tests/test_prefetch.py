@@ -1,4 +1,4 @@
-"""sparkdeploy.prefetch: manifest, lock, free space and verification without a hub; then the
+"""sparkdeploy.steps.prefetch: manifest, lock, free space and verification without a hub; then the
 whole prefetch against the lab hub on loopback."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNot
 from lab.engine.standin_model import load_model
 from lab.hub import HubServer, RequestRecord
 from lab.tinymodel import generate_repo
-from sparkdeploy import blobfetch
-from sparkdeploy import prefetch as pf
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
+from sparkdeploy.remote import blobfetch
+from sparkdeploy.steps import prefetch as pf
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 REPO = "lab-org/tiny"
@@ -455,7 +455,7 @@ def test_a_killed_prefetch_process_is_resumed_from_its_partial(repos_dir: Path, 
     with HubServer(repos_dir) as hub:
         hub.slow(2 << 20)
         script = (
-            "import sys; from pathlib import Path; from sparkdeploy import prefetch as pf; "
+            "import sys; from pathlib import Path; from sparkdeploy.steps import prefetch as pf; "
             "pf.prefetch([pf.RepoSpec('lab-org/big')], Path(sys.argv[1]), "
             "pf.HubAccess(sys.argv[2], max_workers=1))"
         )

@@ -1,4 +1,4 @@
-"""Readiness over real SSH on the lab: Connection.stream_lines, then sparkdeploy.readiness
+"""Readiness over real SSH on the lab: Connection.stream_lines, then sparkdeploy.steps.follow_logs
 following engine stand-in containers on the lab nodes (good boot, fatal lines on the head and on
 a worker, a cgroup OOM kill and SIGKILLs that are not one, a missing container)."""
 
@@ -14,10 +14,10 @@ from readiness_lab import Deployment, lab_plan
 
 from lab.cluster import Lab
 from sparkdeploy.errors import BootFailed
-from sparkdeploy.plan import Plan
-from sparkdeploy.readiness import gate_for, wait_until_ready
-from sparkdeploy.ssh import Connection, cached_connection
-from sparkdeploy.targets import node_target
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.remote.ssh import Connection, cached_connection
+from sparkdeploy.remote.targets import node_target
+from sparkdeploy.steps.follow_logs import gate_for, wait_until_ready
 
 pytestmark = pytest.mark.lab
 

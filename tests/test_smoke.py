@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sparkdeploy.errors import SmokeFailed
-from sparkdeploy.smoke import (
+from sparkdeploy.steps.smoke_test import (
     CANARIES,
     COPY_SENTENCE,
     SmokeCheck,

@@ -22,9 +22,11 @@ from local_node import LocalPython, LocalStream
 
 from lab.cluster import Lab
 from lab.tinymodel import EngramSpec, generate_repo
-from sparkdeploy import compose, ssh, staging
-from sparkdeploy.engram import read_safetensors_header
 from sparkdeploy.errors import StagingError
+from sparkdeploy.node.engram import read_safetensors_header
+from sparkdeploy.remote import ssh
+from sparkdeploy.steps import compose_model as compose
+from sparkdeploy.steps import stage_engram as staging
 
 REPO = "lab-org/TinyEngram"
 TP = 3

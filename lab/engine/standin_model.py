@@ -19,7 +19,7 @@ except ImportError:  # copied flat into the engine image
     from standin_log import EngineFatal  # type: ignore[no-redef]
 
 try:
-    from sparkdeploy import engram
+    from sparkdeploy.node import engram
 except ImportError:
     import engram  # type: ignore[no-redef]
 

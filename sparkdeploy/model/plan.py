@@ -15,11 +15,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, SecretStr
 
-from sparkdeploy.cluster import Cluster, GidIndex, Node, RoceHcas
 from sparkdeploy.errors import PlanError
-from sparkdeploy.recipe import MarkerSpec, Recipe, RepoRef, SmokeOptions
-from sparkdeploy.secrecy import API_KEY_ENV, API_KEY_FLAG, Secret
-from sparkdeploy.vllm_markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
+from sparkdeploy.model.cluster import Cluster, GidIndex, Node, RoceHcas
+from sparkdeploy.model.recipe import MarkerSpec, Recipe, RepoRef, SmokeOptions
+from sparkdeploy.model.secrecy import API_KEY_ENV, API_KEY_FLAG, Secret
+from sparkdeploy.vllm.markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
 
 __all__ = [
     "ComposedPlan",
@@ -56,7 +56,7 @@ class ContainerSpec(_Data):
     entrypoint: list[str]  # empty: the image's own entrypoint
     command: list[str]  # argv after the entrypoint
     env: dict[str, str]
-    secret_env: dict[str, Secret]  # through an env file, never the argv (sparkdeploy.secrecy)
+    secret_env: dict[str, Secret]  # through an env file, never the argv (sparkdeploy.model.secrecy)
     labels: dict[str, str]
     mounts: list[Mount]
     network_host: bool
@@ -114,7 +114,7 @@ class ComposedPlan(_Data):
 
 
 class SshSpec(_Data):
-    """The fields of sparkdeploy.ssh.SshTarget (kept here so planning needs no paramiko)."""
+    """The fields of sparkdeploy.remote.ssh.SshTarget (kept here so planning needs no paramiko)."""
 
     host: str
     port: int
@@ -162,6 +162,15 @@ class Plan(_Data):
     drop_page_cache: bool
     blocked: str | None
     nodes: list[NodePlan]
+
+    @property
+    def head(self) -> NodePlan:
+        """The node of rank 0: it serves the API; the others are its workers."""
+        return next(node for node in self.nodes if node.role == "head")
+
+    @property
+    def workers(self) -> list[NodePlan]:
+        return [node for node in self.nodes if node.role == "worker"]
 
 
 def ssh_spec(cluster: Cluster, node: Node) -> SshSpec:
@@ -218,7 +227,7 @@ def _node_env(
     recipe: Recipe, cluster: Cluster, node: Node, hf_cache: str
 ) -> tuple[dict[str, str], dict[str, SecretStr]]:
     """Profile, then the recipe's own env, then what only this node knows; split into the
-    plain env and the secret one (sparkdeploy.secrecy)."""
+    plain env and the secret one (sparkdeploy.model.secrecy)."""
     env = dict(cluster.nccl.get(recipe.nccl_profile or "", {}))
     env.update(recipe.env)
     if recipe.api_key is not None:

@@ -11,10 +11,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import SparkDeployError
-from sparkdeploy.plan import Plan, make_plan
-from sparkdeploy.recipe import load_recipe, recipe_paths
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.plan import Plan, make_plan
+from sparkdeploy.model.recipe import load_recipe, recipe_paths
 
 ROOT_ENV = "SPARKDEPLOY_ROOT"
 LAB_ROOT_ENV = "SPARKDEPLOY_LAB_ROOT"
@@ -22,7 +22,7 @@ LAB_ROOT_ENV = "SPARKDEPLOY_LAB_ROOT"
 # node mounts its own over those, which would hide the lab's files from it.
 DEFAULT_LAB_ROOT = Path("/srv/sparkdeploy-lab")
 # The package sits at the project root; a worker's flow runs find recipes/ from here.
-DEFAULT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def project_root() -> Path:

@@ -15,9 +15,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from sparkdeploy.errors import RecipeError
-from sparkdeploy.secrecy import API_KEY_ENV, API_KEY_FLAG, is_secret_name, unsafe_value_problem
-from sparkdeploy.tomlfile import KeyPath, format_key, load_toml, validate_document
-from sparkdeploy.vllm_args import VllmArgs, normalise_args, parse_args
+from sparkdeploy.model.secrecy import (
+    API_KEY_ENV,
+    API_KEY_FLAG,
+    is_secret_name,
+    unsafe_value_problem,
+)
+from sparkdeploy.model.tomlfile import KeyPath, format_key, load_toml, validate_document
+from sparkdeploy.vllm.args import VllmArgs, normalise_args, parse_args
 
 DEFAULT_API_PORT = 8000
 # vLLM's own default for VLLM_ENGINE_READY_TIMEOUT_S: it gives up on the engine after this.

@@ -5,8 +5,8 @@ or PASSWORD (any case: VLLM_API_KEY, HF_TOKEN, ...), or of one the recipe lists 
 `secret_env`. The plan carries secrets as `Secret` (pydantic's SecretStr, shown as `***` in JSON
 and `**********` in repr), never as plain strings, so printing a plan, a settings object or an
 error built from them shows no value. They reach a node only through an env file written over
-the SSH connection's stdin (sparkdeploy.boot), never through an argv: `ps` on a node shows every
-process's argv to every user.
+the SSH connection's stdin (sparkdeploy.steps.boot), never through an argv: `ps` on a node shows
+every process's argv to every user.
 """
 
 from __future__ import annotations

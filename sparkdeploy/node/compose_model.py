@@ -1,6 +1,6 @@
-"""The composed model dir, as it is built ON a node (standard library + sparkdeploy.node_hfcache).
+"""The composed model dir, as it is built ON a node (standard library + sparkdeploy.node.hfcache).
 
-sparkdeploy.compose ships this module (see sparkdeploy.node_script) and calls
+sparkdeploy.steps.compose_model ships this module (see sparkdeploy.remote.node_script) and calls
 `main([request_json])`; it prints one JSON result line on stdout, and a deliberate failure exits
 FAILED_EXIT with {"ok": false, "kind": ..., "message": ...}.
 
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sparkdeploy.node_hfcache import SnapshotNotFound, repo_dir, resolve_snapshot
+from sparkdeploy.node.hfcache import SnapshotNotFound, repo_dir, resolve_snapshot
 
 FORMAT_VERSION = 2
 FAILED_EXIT = 3

@@ -1,6 +1,6 @@
 """Facts about one node in one SSH round trip: docker, an image, disk, memory, GPUs, RDMA.
 
-Standard library only: sparkdeploy.node_script ships this module to the node, whose python3
+Standard library only: sparkdeploy.remote.node_script ships this module to the node, whose python3
 runs `main([mode, request_json])`; the last stdout line is the JSON answer. Modes:
 
 - `image`: {"image"} -> the image's id/size/labels (or null), docker's root dir and its free bytes.

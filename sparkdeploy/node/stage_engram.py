@@ -1,11 +1,12 @@
 """The Engram sparse copies of one node, as they run ON the node (standard library + two
 shipped modules).
 
-sparkdeploy.staging ships this module with sparkdeploy.engram and sparkdeploy.node_hfcache (see
-sparkdeploy.node_script) and calls `main([request_json])` once per node for all its shards. It
-prints JSON lines on stdout as it goes: {"plan": ...} once every shard is checked, {"progress":
-...} while a copy runs, {"result": ...} per shard, and {"ok": true} last; a deliberate failure
-ends with {"ok": false, "kind": ..., "message": ..., "dest": ...} and exit status FAILED_EXIT.
+sparkdeploy.steps.stage_engram ships this module with sparkdeploy.node.engram and
+sparkdeploy.node.hfcache (see sparkdeploy.remote.node_script) and calls `main([request_json])` once
+per node for all its shards. It prints JSON lines on stdout as it goes: {"plan": ...} once every
+shard is checked, {"progress": ...} while a copy runs, {"result": ...} per shard, and {"ok": true}
+last; a deliberate failure ends with {"ok": false, "kind": ..., "message": ..., "dest": ...} and
+exit status FAILED_EXIT.
 
 Every shard is checked before anything is copied (source, header, geometry, free space for all
 the copies together). The copy: a file of the shard's full size holding the header and this
@@ -41,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sparkdeploy.engram import (
+from sparkdeploy.node.engram import (
     HEADER_LENGTH_BYTES,
     EngramError,
     EngramGeometry,
@@ -51,7 +52,7 @@ from sparkdeploy.engram import (
     read_safetensors_header,
     weight_tensor_name,
 )
-from sparkdeploy.node_hfcache import SnapshotNotFound, resolve_snapshot
+from sparkdeploy.node.hfcache import SnapshotNotFound, resolve_snapshot
 
 FORMAT_VERSION = 1
 MIB = 1024 * 1024

@@ -1,4 +1,5 @@
-"""The docker CLI on a node, over SSH: argv lists through sparkdeploy.ssh, JSON answers parsed.
+"""The docker CLI on a node, over SSH: argv lists through sparkdeploy.remote.ssh, JSON answers
+parsed.
 
 Also turns docker's error text into the project's errors: a registry that is down or slow is
 transient (TransientRemoteError, retried by the task); an unknown image, refused credentials, a
@@ -14,11 +15,11 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol, TypeVar
 
-from sparkdeploy import node_probe
 from sparkdeploy.errors import ImageError, RemoteError, TransientRemoteError
-from sparkdeploy.labels import DEPLOYMENT_LABEL
-from sparkdeploy.node_script import STDERR_TAIL_CHARS, build_node_script, last_json_line
-from sparkdeploy.ssh import CommandResult, LineStream, SshTarget, on_all
+from sparkdeploy.model.labels import DEPLOYMENT_LABEL
+from sparkdeploy.node import probe as node_probe
+from sparkdeploy.remote.node_script import STDERR_TAIL_CHARS, build_node_script, last_json_line
+from sparkdeploy.remote.ssh import CommandResult, LineStream, SshTarget, on_all
 
 DOCKER_TIMEOUT_S = 60.0
 PROBE_TIMEOUT_S = 90.0
@@ -49,7 +50,8 @@ _DAEMON_DOWN = re.compile(
 
 
 class Runner(Protocol):
-    """What the docker helpers need of a node: sparkdeploy.ssh.Connection, or a test double."""
+    """What the docker helpers need of a node: sparkdeploy.remote.ssh.Connection, or a test
+    double."""
 
     def run(
         self,
@@ -87,7 +89,7 @@ class ContainerInfo:
 
 
 def on_nodes(targets: Mapping[str, SshTarget], work: Callable[[Runner, str], T]) -> dict[str, T]:
-    """work(connection, node name) on every node at once (sparkdeploy.ssh.on_all)."""
+    """work(connection, node name) on every node at once (sparkdeploy.remote.ssh.on_all)."""
     names = {target: name for name, target in targets.items()}
     return on_all(targets, lambda connection: work(connection, names[connection.target]))
 
@@ -155,7 +157,7 @@ def probe_script() -> str:
 
 
 def probe(runner: Runner, node: str, mode: str, request: Mapping[str, Any]) -> dict[str, Any]:
-    """sparkdeploy.node_probe's answer from the node (see its docstring for the modes)."""
+    """sparkdeploy.node.probe's answer from the node (see its docstring for the modes)."""
     result = runner.run_python(
         probe_script(), [mode, json.dumps(dict(request))], timeout=PROBE_TIMEOUT_S, check=False
     )

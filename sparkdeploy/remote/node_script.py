@@ -1,13 +1,13 @@
 """Turn a few stdlib-only modules of this package into one script a node's python3 runs.
 
 A node has python3 and nothing else of ours. The script installs each shipped module under its
-real name in sys.modules (so `from sparkdeploy.engram import ...` works unchanged there) and then
-calls the main module's `main(sys.argv[1:])`, whose last stdout line is its JSON answer. The
+real name in sys.modules (so `from sparkdeploy.node.engram import ...` works unchanged there) and
+then calls the main module's `main(sys.argv[1:])`, whose last stdout line is its JSON answer. The
 modules' own files are the only copy of their code: the script embeds their text as on disk,
 and the node keeps each module's compiled code in ~/.cache/sparkdeploy/node-code (see
-_INSTALLER).
+sparkdeploy.node.installer, the script's head).
 
-A script goes to the node on stdin (sparkdeploy.ssh.Connection.run_python) or, for a command
+A script goes to the node on stdin (sparkdeploy.remote.ssh.Connection.run_python) or, for a command
 whose output is read as it comes (Connection.stream_lines, which has no stdin), inside its argv
 (python_argv).
 """
@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Protocol
 
+from sparkdeploy.node import installer
+
 # How much of a failed script's stderr an error message quotes.
 STDERR_TAIL_CHARS = 2000
 
@@ -38,7 +40,8 @@ class RunResult(Protocol):
 
 
 class PythonRunner(Protocol):
-    """What a node script run through stdin needs: sparkdeploy.ssh.Connection has this method."""
+    """What a node script run through stdin needs: sparkdeploy.remote.ssh.Connection has this
+    method."""
 
     def run_python(
         self,
@@ -61,74 +64,18 @@ _ARGV_BOOTSTRAP = (
     "exec(compile(source, '<sparkdeploy>', 'exec'), {'__name__': '__main__'})"
 )
 
-# Compiling the shipped modules at every start cost a node script nearly half its CPU (staging
-# 95 ms, 51 ms with this cache), so each module's code is kept, marshalled, in the SSH user's
-# cache and loaded from there while the module's text and the node's python3 are the same. A
-# missing, damaged or unwritable cache only costs the compile; one module keeps one file per
-# python3 version.
-_INSTALLER = """\
-import marshal
-import os
-import sys
-import types
-
-_CODE_CACHE = os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-    "sparkdeploy",
-    "node-code",
-)
-
-
-def _code(name, digest, source):
-    stem = name + "." + format(sys.hexversion, "x") + "."
-    path = os.path.join(_CODE_CACHE, stem + digest)
-    try:
-        with open(path, "rb") as cached:
-            return marshal.loads(cached.read())
-    except (OSError, EOFError, ValueError, TypeError):
-        pass
-    code = compile(source, "<shipped " + name + ">", "exec")
-    try:
-        os.makedirs(_CODE_CACHE, exist_ok=True)
-        partial = path + "." + str(os.getpid()) + ".partial"
-        with open(partial, "wb") as out:
-            out.write(marshal.dumps(code))
-        os.replace(partial, path)
-        for entry in os.listdir(_CODE_CACHE):
-            if entry.startswith(stem) and entry != stem + digest and not entry.endswith(".partial"):
-                os.remove(os.path.join(_CODE_CACHE, entry))
-    except OSError:
-        pass
-    return code
-
-
-def _install(name, digest, source):
-    package, _, leaf = name.rpartition(".")
-    if package not in sys.modules:
-        parent = types.ModuleType(package)
-        parent.__path__ = []
-        sys.modules[package] = parent
-    module = types.ModuleType(name)
-    module.__file__ = "<shipped " + name + ">"
-    sys.modules[name] = module
-    exec(_code(name, digest, source), module.__dict__)
-    setattr(sys.modules[package], leaf, module)
-    return module
-
-"""
-
 
 def build_node_script(main: ModuleType, libraries: Sequence[ModuleType] = ()) -> str:
     """Source of a script that runs `main.main(argv)` with `libraries` importable by name.
 
     Every module must import only the standard library and the other shipped modules (a module
-    may keep a guarded fallback for a package import, as sparkdeploy.engram does for errors).
+    may keep a guarded fallback for a package import, as sparkdeploy.node.engram does for errors).
     """
-    lines = [_INSTALLER]
+    lines = [inspect.getsource(installer)]
     for module in (*libraries, main):
         source = inspect.getsource(module)
         digest = hashlib.sha256(source.encode()).hexdigest()[:32]
-        lines.append(f"_install({module.__name__!r}, {digest!r}, {source!r})")
+        lines.append(f"install({module.__name__!r}, {digest!r}, {source!r})")
     lines.append(f"sys.exit(sys.modules[{main.__name__!r}].main(sys.argv[1:]))")
     return "\n".join(lines) + "\n"
 

@@ -98,7 +98,7 @@ class Connection:
         if transport is None or not transport.is_active():
             raise TransientRemoteError(
                 f"{self.target}: the SSH connection is closed; reconnect with"
-                " sparkdeploy.ssh.connect()"
+                " sparkdeploy.remote.ssh.connect()"
             )
         try:
             channel = transport.open_session(timeout=self.target.connect_timeout_s)
@@ -230,7 +230,7 @@ class Connection:
         if transport is None or not transport.is_active():
             raise TransientRemoteError(
                 f"{self.target}: the SSH connection is closed; reconnect with"
-                " sparkdeploy.ssh.connect()"
+                " sparkdeploy.remote.ssh.connect()"
             )
         try:
             channel = transport.open_session(timeout=self.target.connect_timeout_s)

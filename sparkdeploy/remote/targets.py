@@ -3,9 +3,9 @@ import paramiko: `sparkdeploy validate` stays fast)."""
 
 from __future__ import annotations
 
-from sparkdeploy.cluster import Cluster
-from sparkdeploy.plan import NodePlan, Plan, ssh_spec
-from sparkdeploy.ssh import SshTarget
+from sparkdeploy.model.cluster import Cluster
+from sparkdeploy.model.plan import NodePlan, Plan, ssh_spec
+from sparkdeploy.remote.ssh import SshTarget
 
 
 def node_target(node: NodePlan) -> SshTarget:

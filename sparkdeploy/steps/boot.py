@@ -1,7 +1,7 @@
 """Start a plan's containers on its nodes: stale ones out, preflight, RDMA facts, then run.
 
 `boot(plan)` in order:
-1. preflight on every node at once (sparkdeploy.node_probe, one round trip each): docker up,
+1. preflight on every node at once (sparkdeploy.node.probe, one round trip each): docker up,
    the image present with one ID on all nodes, the mount sources (composed dir, NAS cache)
    present, GPUs visible when the plan asks for GPUs, enough MemAvailable; optionally the page
    cache dropped first. The same round trip lists our stale containers there (any container
@@ -10,7 +10,7 @@
    those whose deployment no longer holds the node go (their logs saved like teardown saves
    them), and those nodes are probed again, since the memory the stale ones held is free now.
    A container of a deployment that holds the node is a BootError naming it; one whose labels
-   are not of our form (sparkdeploy.labels) is reported and left alone; others' containers are
+   are not of our form (sparkdeploy.model.labels) is reported and left alone; others' containers are
    never touched. Every node's problems are then reported together.
 3. "auto" HCAs / GID index resolved from the node's sysfs (unset, and logged, without RDMA).
 4. containers started, once every old one is gone: mp = the head and the workers (--headless)
@@ -27,7 +27,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkdeploy.docker_remote import (
+from sparkdeploy.errors import BootError
+from sparkdeploy.model.labels import DEPLOYMENT_LABEL, label_problems
+from sparkdeploy.model.plan import NodePlan, Plan
+from sparkdeploy.model.secrecy import redact
+from sparkdeploy.remote.docker_cli import (
     ContainerInfo,
     Log,
     Runner,
@@ -38,13 +42,9 @@ from sparkdeploy.docker_remote import (
     probe,
     stderr_text,
 )
-from sparkdeploy.errors import BootError
-from sparkdeploy.labels import DEPLOYMENT_LABEL, label_problems
-from sparkdeploy.plan import NodePlan, Plan
-from sparkdeploy.secrecy import redact
-from sparkdeploy.ssh import cached_connection
-from sparkdeploy.targets import plan_targets
-from sparkdeploy.teardown import RemovedContainer, remove_labelled
+from sparkdeploy.remote.ssh import cached_connection
+from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.steps.teardown import RemovedContainer, remove_labelled
 
 GIB = 1024**3
 DEFAULT_MIN_MEMORY_BYTES = 8 * GIB
@@ -138,7 +138,7 @@ def _node_problems(
     if answer["image"] is None:
         problems.append(
             f"image {node.container.image} is not there: run the image step first"
-            " (sparkdeploy.images.ensure_image)"
+            " (sparkdeploy.steps.image.ensure_image)"
         )
     for path in answer["missing_paths"]:
         problems.append(
@@ -253,9 +253,9 @@ def stop_stale(
     """The stale sparkdeploy containers on these nodes of the plan removed, their logs saved in
     runs_dir: this deployment's and those of deployments that no longer hold the node.
 
-    `held_by`: node -> the deployment its node lock names (sparkdeploy.locks.holders); None when
-    the caller holds every node for this deployment. A container of a deployment that holds its
-    node is a BootError naming it, raised before anything is stopped.
+    `held_by`: node -> the deployment its node lock names (sparkdeploy.steps.hold_nodes.holders);
+    None when the caller holds every node for this deployment. A container of a deployment that
+    holds its node is a BootError naming it, raised before anything is stopped.
     """
     targets = {name: plan_targets(plan)[name] for name in nodes}
 
@@ -323,7 +323,7 @@ def start_containers(
 ) -> list[BootedNode]:
     """The plan's containers started in the order its backend needs (module docstring)."""
     targets = plan_targets(plan)
-    head, workers = plan.nodes[0], plan.nodes[1:]
+    head, workers = plan.head, plan.workers
 
     def start(node: NodePlan, runner: Runner) -> BootedNode:
         container_id = _run(runner, node, checks[node.node].detected_env)
@@ -382,7 +382,7 @@ def boot(
     """Preflight with stale containers out, then the plan's containers started (module
     docstring).
 
-    The caller holds the plan's node locks (sparkdeploy.locks) for the deployment's life;
+    The caller holds the plan's node locks (sparkdeploy.steps.hold_nodes) for the deployment's life;
     `held_by` is what they say of each node (stop_stale).
     """
     names = [node.node for node in plan.nodes]

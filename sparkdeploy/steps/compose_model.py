@@ -1,7 +1,8 @@
-"""The composed model dir on a node: run sparkdeploy.node_compose there, turn its answer into data.
+"""The composed model dir on a node: run sparkdeploy.node.compose_model there, turn its answer into
+data.
 
-See node_compose for the layout (an HF cache of NAS symlinks with the node-local files
-hardlinked in) and for how it is swapped in and left alone when unchanged.
+See sparkdeploy.node.compose_model for the layout (an HF cache of NAS symlinks with the node-local
+files hardlinked in) and for how it is swapped in and left alone when unchanged.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from sparkdeploy import node_compose, node_hfcache
 from sparkdeploy.errors import ComposeError, RemoteError
-from sparkdeploy.node_script import (
+from sparkdeploy.node import compose_model as node_compose
+from sparkdeploy.node import hfcache as node_hfcache
+from sparkdeploy.remote.node_script import (
     STDERR_TAIL_CHARS,
     PythonRunner,
     build_node_script,

@@ -8,9 +8,9 @@ and stderr merged) into the gate's queue; when a log ends because its container 
 `docker wait <container>` supplies the exit code (or says there is no such container) and
 `docker inspect` docker's State.OOMKilled, so an exit 137 is named an OOM kill only when the
 kernel says so. The
-gate decides (sparkdeploy.gate); the streams are stopped and their channels closed however it
-ends, and `gate.timeline` stays readable after a failure. Boot (starting the containers) is
-not done here.
+gate decides (sparkdeploy.steps.readiness_gate); the streams are stopped and their channels closed
+however it ends, and `gate.timeline` stays readable after a failure. Boot (starting the containers)
+is not done here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from sparkdeploy.errors import RemoteError
-from sparkdeploy.gate import (
+from sparkdeploy.model.plan import NodePlan, Plan
+from sparkdeploy.remote.ssh import Connection, LineStream, SshTarget, cached_connection
+from sparkdeploy.remote.targets import node_target
+from sparkdeploy.steps.readiness_gate import (
     ContainerMissing,
     ExitStatus,
     GateEvent,
@@ -30,10 +33,7 @@ from sparkdeploy.gate import (
     ReadinessGate,
     follow_lines,
 )
-from sparkdeploy.plan import NodePlan, Plan
-from sparkdeploy.ssh import Connection, LineStream, SshTarget, cached_connection
-from sparkdeploy.targets import node_target
-from sparkdeploy.vllm_markers import HEADLESS_WORKER_JOINED
+from sparkdeploy.vllm.markers import HEADLESS_WORKER_JOINED
 
 # The log streams outlive the gate's own timeout by this much, so the gate always decides first.
 STREAM_MARGIN_S = 30.0
@@ -44,24 +44,20 @@ NO_SUCH_CONTAINER = "No such container"
 ConnectionFactory = Callable[[SshTarget], Connection]
 
 
-def head_of(plan: Plan) -> NodePlan:
-    return next(node for node in plan.nodes if node.role == "head")
-
-
 def gate_for(plan: Plan, *, started_at: float | None = None) -> ReadinessGate:
     """The gate for this plan's nodes and markers; `started_at` (time.monotonic()) defaults to
     now, and the timeline counts from it."""
-    head = head_of(plan)
+    head = plan.head
     # mp workers (--headless) print their join; Ray workers print nothing of vLLM's.
     ray = head.serve_exec is not None
     return ReadinessGate(
         head=head.node,
-        workers=[node.node for node in plan.nodes if node.role == "worker"],
+        workers=[node.node for node in plan.workers],
         boot_markers=plan.boot_markers,
         worker_markers=() if ray else (HEADLESS_WORKER_JOINED,),
         failure_markers=plan.failure_markers,
         # the head's gloo "Connection closed by peer [ip]" names a dead worker by this
-        node_of_ip={node.fabric_ip: node.node for node in plan.nodes if node.role == "worker"},
+        node_of_ip={node.fabric_ip: node.node for node in plan.workers},
         started_at=started_at,
     )
 

@@ -83,7 +83,7 @@ class NodeHolder:
 # or to be waited for.
 Decision = Literal["ours", "take over", "wait"]
 # node -> the holder's deployment id, to whether any container of it is on that node (None: the
-# node could not be asked). sparkdeploy.docker_remote.deployments_present, over SSH.
+# node could not be asked). sparkdeploy.remote.docker_cli.deployments_present, over SSH.
 ContainerCheck = Callable[[dict[str, str]], dict[str, bool | None]]
 
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from sparkdeploy.docker_remote import (
+from sparkdeploy.errors import ImageError, TransientRemoteError
+from sparkdeploy.remote.docker_cli import (
     Log,
     Runner,
     checked,
@@ -35,8 +36,7 @@ from sparkdeploy.docker_remote import (
     probe,
     registry_error,
 )
-from sparkdeploy.errors import ImageError, TransientRemoteError
-from sparkdeploy.ssh import CommandResult, SshTarget, cached_connection
+from sparkdeploy.remote.ssh import CommandResult, SshTarget, cached_connection
 
 CONTEXT_LABEL = "sparkdeploy.context-sha256"
 PULL_TIMEOUT_S = 3600.0

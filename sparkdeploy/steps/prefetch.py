@@ -1,8 +1,8 @@
 """Prefetch of hub repos into the NAS HF cache: fetched and verified once, recognised instantly.
 
 huggingface_hub answers what a revision is: its commit sha and its files with size, git oid and
-LFS sha256. The bytes are moved by sparkdeploy.blobfetch (http.client threads, resumable partial
-files, hashed while written) into the cache layout huggingface_hub itself writes and reads
+LFS sha256. The bytes are moved by sparkdeploy.remote.blobfetch (http.client threads, resumable
+partial files, hashed while written) into the cache layout huggingface_hub itself writes and reads
 offline: `models--org--name/blobs/<sha256 or git oid>`, `snapshots/<sha>/<path>` as relative
 symlinks to the blobs, `refs/<branch>`. Around that this module adds what a shared NAS cache
 needs: a free-space check before anything is fetched, a per-repo lock so two flows never download
@@ -43,8 +43,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.file_download import repo_folder_name
 
-from sparkdeploy import blobfetch
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
+from sparkdeploy.remote import blobfetch
 from sparkdeploy.units import human_bytes
 
 PUBLIC_HUB = "https://huggingface.co"

@@ -13,7 +13,7 @@ Ready = every required boot marker seen on the head, every worker marker (the ra
 line) seen on each worker, then GET /health 200 and GET /v1/models listing the served name
 (polled every 0.2 s once the markers are in; connection refused while the engine loads is
 normal), then one real completion (POST /v1/completions, max_tokens 1, temperature 0, asked
-once with the gate's time left) answering a choice. Recorded markers (vllm_markers:
+once with the gate's time left) answering a choice. Recorded markers (sparkdeploy.vllm.markers:
 DEFAULT_RECORDED_MARKERS, WORKER_RECORDED_MARKERS) go in the timeline and the figures when seen
 but are never waited for. Any failure marker, any container exit (status 0 included: vLLM exits
 0 after its engine died), the timeout, a wrong served name or a failed completion raises
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 from pydantic import SecretStr
 
-from sparkdeploy import engine_http
 from sparkdeploy.errors import BootFailed
-from sparkdeploy.vllm_markers import (
+from sparkdeploy.remote import engine_http
+from sparkdeploy.vllm.markers import (
     DEFAULT_BOOT_MARKERS,
     DEFAULT_FAILURE_MARKERS,
     DEFAULT_RECORDED_MARKERS,

@@ -26,8 +26,8 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from sparkdeploy import engine_http
 from sparkdeploy.errors import SmokeFailed
+from sparkdeploy.remote import engine_http
 
 # ---------------------------------------------------------------------------------------------
 # Detectors (pure)

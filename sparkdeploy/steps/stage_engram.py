@@ -1,10 +1,11 @@
-"""Engram sparse-copy staging: run sparkdeploy.node_staging on a node, turn its answer into data.
+"""Engram sparse-copy staging: run sparkdeploy.node.stage_engram on a node, turn its answer into
+data.
 
 One python3 on the node per call, for all the node's shards: it checks them all (source,
 header, geometry, free space), says how many bytes remain to copy, then copies and verifies
 each, printing progress as it goes. The lines are read as they come (stream_lines), so progress
 reaches the caller live and the deadline is sized from the bytes left once they are known.
-See node_staging for the copy itself.
+See sparkdeploy.node.stage_engram for the copy itself.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol
 
-from sparkdeploy import engram, node_hfcache, node_staging
 from sparkdeploy.errors import RemoteError, StagingError, TransientRemoteError
-from sparkdeploy.node_script import (
+from sparkdeploy.node import engram
+from sparkdeploy.node import hfcache as node_hfcache
+from sparkdeploy.node import stage_engram as node_staging
+from sparkdeploy.remote.node_script import (
     STDERR_TAIL_CHARS,
     build_node_script,
     python_argv,
@@ -38,7 +41,7 @@ ProgressCallback = Callable[[str, str, int, int], None]  # node, dest, done, tot
 
 
 class LineSource(Protocol):
-    """The output lines of a running command: sparkdeploy.ssh.LineStream."""
+    """The output lines of a running command: sparkdeploy.remote.ssh.LineStream."""
 
     exit_code: int | None
 
@@ -47,7 +50,7 @@ class LineSource(Protocol):
 
 
 class StreamRunner(Protocol):
-    """What staging needs of a node: sparkdeploy.ssh.Connection has this method."""
+    """What staging needs of a node: sparkdeploy.remote.ssh.Connection has this method."""
 
     def stream_lines(
         self, argv: Sequence[str], *, timeout: float, idle_timeout: float | None = None

@@ -8,9 +8,9 @@ from contextlib import contextmanager
 
 from pydantic import BaseModel
 
-from sparkdeploy.gate import TimelineEntry
-from sparkdeploy.plan import Plan
-from sparkdeploy.smoke import CANARIES
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.steps.readiness_gate import TimelineEntry
+from sparkdeploy.steps.smoke_test import CANARIES
 
 
 class StepClock:
@@ -60,7 +60,7 @@ class DeploySummary(BaseModel):
         ready_after_s: float | None,
         timeline: Sequence[TimelineEntry] = (),
     ) -> DeploySummary:
-        head = next(node.node for node in plan.nodes if node.role == "head")
+        head = plan.head.node
         return cls(
             deployment_id=plan.deployment_id,
             recipe=plan.recipe,

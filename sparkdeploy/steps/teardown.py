@@ -4,8 +4,8 @@ Each container's whole log (stdout and stderr merged in time order, with docker'
 goes to `<runs_dir>/<deployment id>/<node>.log` as the flow host sees the NAS, before the
 container is removed; an earlier log of that node moves aside to `<node>.<n>.log`. A container
 without our labels is never listed, so never touched; one whose labels do not have our form
-(sparkdeploy.labels: anyone can label a container) is reported and left alone, so a label never
-becomes a path. Running it again finds nothing: a no-op.
+(sparkdeploy.model.labels: anyone can label a container) is reported and left alone, so a label
+never becomes a path. Running it again finds nothing: a no-op.
 The node locks are released by the caller (tasks/teardown.py) once the containers are gone.
 """
 
@@ -18,7 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparkdeploy.docker_remote import (
+from sparkdeploy.errors import TeardownError
+from sparkdeploy.model.labels import DEPLOYMENT_LABEL, deployment_id_problem, label_problems
+from sparkdeploy.remote.docker_cli import (
     ContainerInfo,
     Log,
     Runner,
@@ -27,9 +29,7 @@ from sparkdeploy.docker_remote import (
     on_nodes,
     remove_containers,
 )
-from sparkdeploy.errors import TeardownError
-from sparkdeploy.labels import DEPLOYMENT_LABEL, deployment_id_problem, label_problems
-from sparkdeploy.ssh import SshTarget
+from sparkdeploy.remote.ssh import SshTarget
 
 LOG_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 20

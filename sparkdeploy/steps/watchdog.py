@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparkdeploy.docker_remote import (
+from sparkdeploy.errors import DeploymentDown
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.remote.docker_cli import (
     DEPLOYMENT_LABEL,
     ContainerInfo,
     Runner,
@@ -20,12 +22,9 @@ from sparkdeploy.docker_remote import (
     list_containers,
     on_nodes,
 )
-from sparkdeploy.errors import DeploymentDown
-from sparkdeploy.gate import classify_log, strip_log_prefix
-from sparkdeploy.plan import Plan
-from sparkdeploy.readiness import head_of
-from sparkdeploy.targets import plan_targets
-from sparkdeploy.vllm_markers import FAILURE_HINTS
+from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.steps.readiness_gate import classify_log, strip_log_prefix
+from sparkdeploy.vllm.markers import FAILURE_HINTS
 
 LOG_TIMEOUT_S = 60.0
 EXCERPT_LINES = 12
@@ -45,7 +44,7 @@ def _docker_timestamp_removed(line: str) -> str:
 
 def node_states(plan: Plan) -> dict[str, NodeState]:
     """Each node's container of the deployment and, for the head, its log: one round trip."""
-    head = head_of(plan).node
+    head = plan.head.node
     label = f"{DEPLOYMENT_LABEL}={plan.deployment_id}"
 
     def state(runner: Runner, node: str) -> NodeState:
@@ -71,7 +70,7 @@ def _state_text(container: ContainerInfo | None) -> str:
 def diagnose(plan: Plan, states: dict[str, NodeState]) -> DeploymentDown | None:
     """The named reason the deployment is down, or None when every container runs and the
     head's log holds no fatal line (then the smoke report's own evidence is all there is)."""
-    head = head_of(plan).node
+    head = plan.head.node
     node_of_ip = {node.fabric_ip: node.node for node in plan.nodes}
     found = classify_log(
         states[head].log_lines,
