@@ -3,7 +3,8 @@
 Topology (names and addresses from lab.layout, derived from the lab's name):
 
     host: <host_link> 10.x.y.1 ══veth══ uplink ─┐
-                                                 ├─ br0 10.x.y.2 (registry), netns lab-<name>-net
+                                                 ├─ br0 10.x.y.2 (registry, hub)
+                                                 │      10.x.y.3 (hub storage), netns lab-<name>-net
     netns lab-<name>-node1: enp1s0f1np1 10.x.y.11 ══veth══ port1 ─┤
     netns lab-<name>-node2: enp1s0f1np1 10.x.y.12 ══veth══ port2 ─┘ ...
 
@@ -321,6 +322,7 @@ class Lab:
             "link set lo up",
             "link add br0 type bridge",
             f"addr add {layout.registry_ip}/24 dev br0",
+            f"addr add {layout.hub_storage_ip}/24 dev br0",
             "link set br0 up",
             "link set uplink master br0 up",
         ]
@@ -369,6 +371,10 @@ class Lab:
                     "--host",
                     layout.registry_ip,
                     "--port",
+                    str(HUB_PORT),
+                    "--storage-host",
+                    layout.hub_storage_ip,
+                    "--storage-port",
                     str(HUB_PORT),
                 ],
                 layout.state_dir / "hub.log",

@@ -87,6 +87,16 @@ class LabLayout:
         return f"http://{self.registry_ip}:{HUB_PORT}"
 
     @property
+    def hub_storage_ip(self) -> str:
+        """A second address of the bridge namespace: the hub's storage host, another origin
+        than the hub, as the real hub's LFS storage is."""
+        return f"{self.subnet_prefix}.3"
+
+    @property
+    def hub_storage_url(self) -> str:
+        return f"http://{self.hub_storage_ip}:{HUB_PORT}"
+
+    @property
     def hub_repos_dir(self) -> Path:
         return self.state_dir / "hub-repos"
 
