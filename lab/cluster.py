@@ -10,9 +10,10 @@ Topology (names and addresses from lab.layout, derived from the lab's name):
 
 The bridge sits in its own namespace so node-to-node traffic never crosses the host's firewall.
 Each node runs lab/nodeinit.py in its own mount and UTS namespaces (own /run, /tmp + /var/tmp,
-/var/lib/docker, /etc/ssh, /etc/docker, /etc/hosts, hostname), which starts the node's dockerd
-and becomes its sshd. Everything lives under <lab root>/<name>/ (sparkdeploy.project.lab_root:
-/srv/sparkdeploy-lab unless SPARKDEPLOY_LAB_ROOT says otherwise); `down` removes it all.
+/var/lib/docker, /etc/ssh, /etc/docker, /etc/hosts, /etc/machine-id, hostname), which starts
+the node's dockerd and becomes its sshd. Everything lives under <lab root>/<name>/
+(sparkdeploy.project.lab_root: /srv/sparkdeploy-lab unless SPARKDEPLOY_LAB_ROOT says otherwise);
+`down` removes it all.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ NETNS_DIR = Path("/run/netns")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "dockerd", "containerd", "sshd")
 REGISTRY_BINARY = "/usr/bin/docker-registry"
+MACHINE_ID = Path("/etc/machine-id")
 
 
 def run(argv: list[str], *, stdin: bytes | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:
@@ -254,6 +256,7 @@ class Lab:
                 json.dumps(self._daemon_config(node), indent=2),
             )
             _write(node_dir / "hosts", hosts)
+            _write(node_dir / "machine-id", layout.machine_id(node) + "\n", 0o444)
             known_hosts.append(f"{layout.node_ip(node)} {host_key.public_line}\n")
         _write(layout.known_hosts, "".join(known_hosts))
         registry_dir = layout.state_dir / "registry"
@@ -697,6 +700,12 @@ def _check_prerequisites() -> None:
         raise LabError(
             f"the lab needs {', '.join(missing)}: run scripts/setup (installs docker.io"
             " openssh-server docker-registry busybox-static iproute2)"
+        )
+    if not MACHINE_ID.is_file():
+        raise LabError(
+            f"the lab gives each node its own {MACHINE_ID} by mounting a file over the host's,"
+            " and this host has none: create it with `systemd-machine-id-setup` (or"
+            f" `dbus-uuidgen --ensure={MACHINE_ID}`)"
         )
 
 

@@ -116,6 +116,12 @@ class LabLayout:
     def node_ip(self, node: str) -> str:
         return f"{self.subnet_prefix}.{10 + self._node_number(node)}"
 
+    def machine_id(self, node: str) -> str:
+        """The node's /etc/machine-id (32 hex digits): its own, and the same each time the lab
+        is brought up, as a real machine keeps its id across reboots."""
+        self._node_number(node)
+        return hashlib.sha256(f"sparkdeploy-lab:{self.name}:{node}".encode()).hexdigest()[:32]
+
     def node_netns(self, node: str) -> str:
         return f"lab-{self.name}-{node}"
 
