@@ -3,15 +3,18 @@
 Topology (names and addresses from lab.layout, derived from the lab's name):
 
     host: <host_link> 10.x.y.1 ══veth══ uplink ─┐
-                                                 ├─ br0 10.x.y.2 (registry), netns lab-<name>-net
+                                                 ├─ br0 10.x.y.2 (registry, hub)
+                                                 │      10.x.y.3 (hub storage), netns lab-<name>-net
     netns lab-<name>-node1: enp1s0f1np1 10.x.y.11 ══veth══ port1 ─┤
     netns lab-<name>-node2: enp1s0f1np1 10.x.y.12 ══veth══ port2 ─┘ ...
 
 The bridge sits in its own namespace so node-to-node traffic never crosses the host's firewall.
 Each node runs lab/nodeinit.py in its own mount and UTS namespaces (own /run, /tmp + /var/tmp,
-/var/lib/docker, /etc/ssh, /etc/docker, /etc/hosts, hostname), which starts the node's dockerd
-and becomes its sshd. Everything lives under <lab root>/<name>/ (sparkdeploy.model.project.lab_root:
-/srv/sparkdeploy-lab unless SPARKDEPLOY_LAB_ROOT says otherwise); `down` removes it all.
+/var/lib/docker, /etc/ssh, /etc/docker, /etc/hosts, /etc/machine-id, hostname), which starts
+the node's dockerd and becomes its sshd. Everything lives under <lab root>/<name>/
+(sparkdeploy.model.project.lab_root: /srv/sparkdeploy-lab unless SPARKDEPLOY_LAB_ROOT says
+otherwise);
+`down` removes it all.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ NETNS_DIR = Path("/run/netns")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "dockerd", "containerd", "sshd")
 REGISTRY_BINARY = "/usr/bin/docker-registry"
+MACHINE_ID = Path("/etc/machine-id")
 
 
 def run(argv: list[str], *, stdin: bytes | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:
@@ -253,6 +257,7 @@ class Lab:
                 json.dumps(self._daemon_config(node), indent=2),
             )
             _write(node_dir / "hosts", hosts)
+            _write(node_dir / "machine-id", layout.machine_id(node) + "\n", 0o444)
             known_hosts.append(f"{layout.node_ip(node)} {host_key.public_line}\n")
         _write(layout.known_hosts, "".join(known_hosts))
         registry_dir = layout.state_dir / "registry"
@@ -321,6 +326,7 @@ class Lab:
             "link set lo up",
             "link add br0 type bridge",
             f"addr add {layout.registry_ip}/24 dev br0",
+            f"addr add {layout.hub_storage_ip}/24 dev br0",
             "link set br0 up",
             "link set uplink master br0 up",
         ]
@@ -369,6 +375,10 @@ class Lab:
                     "--host",
                     layout.registry_ip,
                     "--port",
+                    str(HUB_PORT),
+                    "--storage-host",
+                    layout.hub_storage_ip,
+                    "--storage-port",
                     str(HUB_PORT),
                 ],
                 layout.state_dir / "hub.log",
@@ -691,6 +701,12 @@ def _check_prerequisites() -> None:
         raise LabError(
             f"the lab needs {', '.join(missing)}: run scripts/setup (installs docker.io"
             " openssh-server docker-registry busybox-static iproute2)"
+        )
+    if not MACHINE_ID.is_file():
+        raise LabError(
+            f"the lab gives each node its own {MACHINE_ID} by mounting a file over the host's,"
+            " and this host has none: create it with `systemd-machine-id-setup` (or"
+            f" `dbus-uuidgen --ensure={MACHINE_ID}`)"
         )
 
 

@@ -1,10 +1,12 @@
 """One hub file into a partial file that outlives the process, hashed while it is written.
 
 Plain http.client (stdlib only): one keep-alive connection per origin per thread, a socket
-timeout on every connect and read, redirects followed (the hub sends LFS files to a CDN), and the
-hub token sent to the hub's own origin only, never to a redirect target elsewhere. A cut
-transfer is resumed with a Range request from the partial file's exact size, within the call
-(transient failures, with backoff) and across calls and processes (the partial stays on disk).
+timeout on every connect and read, redirects followed (the hub answers an LFS file's `resolve`
+with a 302 to its storage host, another origin), and the hub token sent to the hub's own origin
+only, never to a redirect target elsewhere, as huggingface_hub does (docs/field.md, "The Hugging
+Face hub"). A cut transfer is resumed with a Range request from the partial file's exact size,
+within the call (transient failures, with backoff, or after the wait a Retry-After header asks
+for) and across calls and processes (the partial stays on disk).
 
 Bytes written are dropped from the page cache as the transfer goes: on unified-memory nodes
 cached pages are memory the model needs.
@@ -12,12 +14,13 @@ cached pages are memory the model needs.
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import http.client
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -39,13 +42,18 @@ Origin = tuple[str, str, int]
 
 
 class HttpStatusError(Exception):
-    """The server answered a status that no retry will change (401, 403, 404, ...)."""
+    """The server answered a status that no retry will change (401, 403, 404, ...).
 
-    def __init__(self, status: int, url: str, detail: str) -> None:
+    `error_code` is the hub's X-Error-Code (GatedRepo, RepoNotFound, RevisionNotFound,
+    EntryNotFound), None when it sent none (the storage host never does).
+    """
+
+    def __init__(self, status: int, url: str, detail: str, error_code: str | None = None) -> None:
         super().__init__(f"HTTP {status} for {url}: {detail}" if detail else f"HTTP {status}")
         self.status = status
         self.url = url
         self.detail = detail
+        self.error_code = error_code
 
 
 class ProtocolError(Exception):
@@ -57,7 +65,24 @@ class TransferError(Exception):
 
 
 class _Transient(Exception):
-    """One attempt failed in a way worth retrying."""
+    """One attempt failed in a way worth retrying; retry_after_s: the wait the server asked for."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def retry_after_s(headers: Mapping[str, str] | http.client.HTTPMessage) -> float | None:
+    """The seconds a Retry-After header asks to wait (delay-seconds or an HTTP date, RFC 9110
+    section 10.2.3), None without a usable one."""
+    value = (headers.get("Retry-After") or "").strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 def origin_of(url: str) -> Origin:
@@ -168,15 +193,18 @@ def fetch(
     new_digest: Callable[[], Any],
     attempts: int,
     backoff_s: float,
+    max_retry_after_s: float,
     on_bytes: Callable[[int], None],
     on_retry: Callable[[str, int, float], None],
 ) -> str:
     """Complete `partial` to `size` bytes from `url`; the hex digest of what it then holds.
 
     `new_digest` makes a fresh hashlib object, primed with any prefix (the git blob header).
-    A partial left by an earlier call is hashed once and resumed from its size. `on_bytes` gets
-    every count of bytes written (and, at the start, the resumed prefix); `on_retry` gets
-    (reason, offset, delay_s) before each retry.
+    A partial left by an earlier call is hashed once and resumed from its size. A transient
+    failure is retried after backoff_s, doubling, or after the wait its Retry-After asks for
+    when it says (a 429 or 503 from the hub): up to max_retry_after_s; a longer one ends the
+    call with TransferError. `on_bytes` gets every count of bytes written (and, at the start,
+    the resumed prefix); `on_retry` gets (reason, offset, delay_s) before each retry.
     """
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT, 0o666)
     try:
@@ -194,6 +222,13 @@ def fetch(
                 if attempt == attempts:
                     raise TransferError(f"{exc} (attempt {attempt} of {attempts})") from exc
                 delay = backoff_s * 2 ** (attempt - 1)
+                if exc.retry_after_s is not None:
+                    if exc.retry_after_s > max_retry_after_s:
+                        raise TransferError(
+                            f"{exc}: that is longer than the {max_retry_after_s:.0f} s a"
+                            " download waits in place"
+                        ) from exc
+                    delay = exc.retry_after_s
                 on_retry(str(exc), state.offset, delay)
                 time.sleep(delay)
         os.fdatasync(fd)
@@ -259,9 +294,16 @@ def _transfer(
             state.restart()
             raise _Transient(f"HTTP 416 for {served_from}: starting the file over")
         elif response.status in TRANSIENT_STATUS:
-            raise _Transient(f"HTTP {response.status} for {served_from}")
+            wait = retry_after_s(response.msg)
+            said = "" if wait is None else f" (Retry-After: {wait:.0f} s)"
+            raise _Transient(f"HTTP {response.status} for {served_from}{said}", wait)
         elif response.status != 200:
-            raise HttpStatusError(response.status, served_from, _error_detail(response))
+            raise HttpStatusError(
+                response.status,
+                served_from,
+                _error_detail(response),
+                response.getheader("X-Error-Code"),
+            )
         if response.length is not None and response.length != size - state.offset:
             raise ProtocolError(
                 f"{served_from} announces {response.length} bytes from byte {state.offset}, "

@@ -1,18 +1,22 @@
-"""Node locks: one deployment per node, held from boot to teardown, across flow runs.
+"""Node locks: one deployment per machine, held from boot to teardown, across flow runs.
 
-Each node has a Prefect global concurrency limit `node:<cluster>:<node>` with limit 1, created
-on demand. A deployment takes one slot of every node's limit in a single request (all or none,
-so two deploys on overlapping nodes cannot each hold half and wait forever) and gives them back
-at teardown. Who holds a node is recorded in a Prefect Variable per node (`node-lock-...`,
-visible in the UI) so a waiting deploy can name the holder.
+A lock is the machine's, not the inventory's name for it: two inventories may name one machine
+differently, and must share its lock. The machine is known by its /etc/machine-id
+(sparkdeploy.remote.node_identity, read over SSH as the deploy starts). Each machine has a Prefect
+global concurrency limit `node:<machine-id prefix>` with limit 1, created on demand. A
+deployment takes one slot of every node's limit in a single request (all or none, so two
+deploys on overlapping nodes cannot each hold half and wait forever) and gives them back at
+teardown. Who holds a machine is recorded in a Prefect Variable per machine
+(`node-lock-<machine-id prefix>`, visible in the UI): the deployment, its flow run, and the
+cluster and node name it took the machine by, so a waiting deploy can name the holder.
 
 A holder that is provably gone is taken over instead of waited for: its flow run has ended
 (Prefect says its state is final, or the run no longer exists) and, for another deployment, no
 container of it is left on the node (asked over SSH by the caller's `containers_on`). A run of
 the same deployment that has ended is a redeploy: its containers are a stale copy of this
 deployment, which boot replaces. Taking over keeps the slot (it passes from the old holder to
-the new) and rewrites the record, under a short per-node mutex (`node-takeover:<cluster>:<node>`)
-so two deploys never both take over one stale holder.
+the new) and rewrites the record, under a short per-machine mutex (`node-takeover:<machine-id
+prefix>`) so two deploys never both take over one stale holder.
 
 Leases. Prefect 3 can lease slots (they go back when the lease is not renewed in time). The node
 slots are taken without one: no process lives as long as a deployment (the deploy flow run ends
@@ -27,12 +31,10 @@ and a deploy killed while holding it must not block takeovers of that node for g
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import random
-import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -55,6 +57,11 @@ from sparkdeploy.errors import NodeLockError
 
 DEFAULT_TIMEOUT_S = 600.0
 POLL_S = 1.0
+# How much of the machine id names a lock: readable in the UI, and 48 bits apart.
+MACHINE_PREFIX_CHARS = 12
+HOLDER_TAGS = ["sparkdeploy", "node-lock"]
+# Variables read per request when looking holders up by their records.
+_VARIABLE_PAGE = 200
 _HTTP_LOCKED = 423
 _HTTP_BUSY = frozenset({429, 503})
 _CHANGE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -73,10 +80,21 @@ P = ParamSpec("P")
 
 @dataclass(frozen=True)
 class NodeHolder:
+    """Who holds a machine, and by which name: `cluster` and `node` are the inventory and node
+    name the holder took it by (another inventory may name the machine otherwise)."""
+
     node: str
     deployment_id: str
     since: str  # ISO 8601, UTC
     flow_run_id: str | None
+    cluster: str
+    machine_id: str
+
+    def taken_as(self, cluster: str, node: str) -> str:
+        """How a message names the holder's own name for the machine, when it is another."""
+        if (self.cluster, self.node) == (cluster, node):
+            return ""
+        return f" (as {self.node} of cluster {self.cluster})"
 
 
 # What to do about a node's holder: it is this flow run ("ours"), provably gone ("take over"),
@@ -87,20 +105,21 @@ Decision = Literal["ours", "take over", "wait"]
 ContainerCheck = Callable[[dict[str, str]], dict[str, bool | None]]
 
 
-def limit_name(cluster: str, node: str) -> str:
-    return f"node:{cluster}:{node}"
+def machine_label(machine_id: str) -> str:
+    return machine_id[:MACHINE_PREFIX_CHARS]
 
 
-def takeover_name(cluster: str, node: str) -> str:
-    return f"node-takeover:{cluster}:{node}"
+def limit_name(machine_id: str) -> str:
+    return f"node:{machine_label(machine_id)}"
 
 
-def holder_variable(cluster: str, node: str) -> str:
-    """Variable names allow lowercase letters, digits, '-' and '_' only: a readable slug plus a
-    digest of the exact names, so clusters or nodes differing only in case stay apart."""
-    slug = re.sub(r"[^a-z0-9]+", "-", f"{cluster}-{node}".lower()).strip("-")
-    digest = hashlib.sha256(limit_name(cluster, node).encode()).hexdigest()[:8]
-    return f"node-lock-{slug}-{digest}"
+def takeover_name(machine_id: str) -> str:
+    return f"node-takeover:{machine_label(machine_id)}"
+
+
+def holder_variable(machine_id: str) -> str:
+    """Variable names allow lowercase letters, digits, '-' and '_': a machine id is hex."""
+    return f"node-lock-{machine_label(machine_id)}"
 
 
 def _current_flow_run_id() -> str | None:
@@ -216,61 +235,108 @@ def _increment(
     raise NodeLockError(f"the limits {', '.join(names)} vanish as soon as they are created")
 
 
-def _take_slots(client: SyncPrefectClient, cluster: str, nodes: Sequence[str]) -> bool:
-    """One slot of every node's limit, all or none; False when one of them is full."""
-    return _increment(client, [limit_name(cluster, node) for node in nodes]) is not None
+def _take_slots(client: SyncPrefectClient, machines: Mapping[str, str]) -> bool:
+    """One slot of every node's machine's limit, all or none; False when one of them is full."""
+    return _increment(client, [limit_name(machine) for machine in machines.values()]) is not None
+
+
+def _holder_of(variable: Variable) -> NodeHolder | None:
+    """The holder a lock variable records; None for what is no record of this version's (a
+    record without a machine id was keyed by node name, before the locks were per machine)."""
+    value = variable.value
+    if not isinstance(value, dict) or not isinstance(value.get("machine_id"), str):
+        return None
+    return NodeHolder(
+        node=str(value.get("node")),
+        deployment_id=str(value.get("deployment_id")),
+        since=str(value.get("since")),
+        flow_run_id=value.get("flow_run_id"),
+        cluster=str(value.get("cluster")),
+        machine_id=value["machine_id"],
+    )
 
 
 def _read_holders(
-    client: SyncPrefectClient, cluster: str, nodes: Sequence[str]
+    client: SyncPrefectClient, machines: Mapping[str, str]
 ) -> dict[str, NodeHolder | None]:
-    """Every node's holder record, in one request."""
-    by_variable = {holder_variable(cluster, node): node for node in nodes}
+    """node -> the holder of its machine (machines: node -> machine id), in one request."""
+    by_variable = {holder_variable(machine): node for node, machine in machines.items()}
     query = {"variables": {"name": {"any_": list(by_variable)}}, "limit": len(by_variable)}
     response = _api(client.request, "POST", "/variables/filter", json=query)
-    found: dict[str, NodeHolder | None] = dict.fromkeys(nodes)
+    found: dict[str, NodeHolder | None] = dict.fromkeys(machines)
     for variable in Variable.model_validate_list(response.json()):
         node = by_variable.get(variable.name)
-        if node is None or not isinstance(variable.value, dict):
-            continue
-        value: dict[str, Any] = variable.value
-        found[node] = NodeHolder(
-            node=node,
-            deployment_id=str(value.get("deployment_id")),
-            since=str(value.get("since")),
-            flow_run_id=value.get("flow_run_id"),
-        )
+        if node is not None:
+            found[node] = _holder_of(variable)
     return found
 
 
-def _write_holder(client: SyncPrefectClient, cluster: str, holder: NodeHolder) -> None:
-    name = holder_variable(cluster, holder.node)
+def _recorded_holders(client: SyncPrefectClient) -> list[NodeHolder]:
+    """Every holder record there is (one per held machine), a page of variables a request."""
+    found: list[NodeHolder] = []
+    offset = 0
+    while True:
+        query = {
+            "variables": {"tags": {"all_": HOLDER_TAGS}},
+            "limit": _VARIABLE_PAGE,
+            "offset": offset,
+        }
+        response = _api(client.request, "POST", "/variables/filter", json=query)
+        page = Variable.model_validate_list(response.json())
+        found += [holder for holder in map(_holder_of, page) if holder is not None]
+        if len(page) < _VARIABLE_PAGE:
+            return found
+        offset += len(page)
+
+
+def _write_holder(client: SyncPrefectClient, holder: NodeHolder) -> None:
+    name = holder_variable(holder.machine_id)
     value = {
         "deployment_id": holder.deployment_id,
         "since": holder.since,
         "flow_run_id": holder.flow_run_id,
+        "cluster": holder.cluster,
+        "node": holder.node,
+        "machine_id": holder.machine_id,
     }
-    tags = ["sparkdeploy", "node-lock"]
     try:
-        _api(client.create_variable, VariableCreate(name=name, value=value, tags=tags))
+        _api(client.create_variable, VariableCreate(name=name, value=value, tags=HOLDER_TAGS))
     except ObjectAlreadyExists:
-        _api(client.update_variable, VariableUpdate(name=name, value=value, tags=tags))
+        _api(client.update_variable, VariableUpdate(name=name, value=value, tags=HOLDER_TAGS))
 
 
 def holders(cluster: str, nodes: Sequence[str]) -> dict[str, NodeHolder | None]:
-    """Who holds each node (None: free, or taken by a deploy that has not recorded itself)."""
+    """Who holds each node as the cluster names it, from the holders' records (None: no
+    deployment took it by this name, or one is taking it and has not recorded itself yet).
+
+    For the steps after hold-nodes and for teardown, which ask about the nodes their own
+    deployment took; hold-nodes asks about machines (acquire_nodes). A machine whose record
+    outlived it (reinstalled with a new id while held) may leave a second record under the same
+    name: the newest counts.
+    """
+    wanted = set(nodes)
+    found: dict[str, NodeHolder | None] = dict.fromkeys(nodes)
     with _lock_client() as client:
-        return _read_holders(client, cluster, nodes)
+        for holder in _recorded_holders(client):
+            if holder.cluster != cluster or holder.node not in wanted:
+                continue
+            known = found[holder.node]
+            if known is None or holder.since > known.since:
+                found[holder.node] = holder
+    return found
 
 
 def _describe_blockers(
-    client: SyncPrefectClient, cluster: str, nodes: Sequence[str], why: dict[str, str]
+    client: SyncPrefectClient,
+    cluster: str,
+    machines: Mapping[str, str],
+    why: dict[str, str],
 ) -> str:
     described = []
-    current = _read_holders(client, cluster, nodes)
-    for node in nodes:
+    current = _read_holders(client, machines)
+    for node, machine in machines.items():
         try:
-            limit = _api(client.read_global_concurrency_limit_by_name, limit_name(cluster, node))
+            limit = _api(client.read_global_concurrency_limit_by_name, limit_name(machine))
         except ObjectNotFound:
             continue  # never taken: the attempt that failed took no slot anywhere
         if limit.active_slots < limit.limit:
@@ -278,16 +344,17 @@ def _describe_blockers(
         holder = current[node]
         if holder is None:
             described.append(
-                f"{node} is held by an unrecorded holder (a deploy taking it right now, or one"
-                " that crashed while taking it: if no deployment runs there, reset the limit"
-                f" `{limit_name(cluster, node)}` to 0 active slots in the Prefect UI)"
+                f"{node} (machine {machine_label(machine)}) is held by an unrecorded holder (a"
+                " deploy taking it right now, or one that crashed while taking it: if no"
+                f" deployment runs there, reset the limit `{limit_name(machine)}` to 0 active"
+                " slots in the Prefect UI)"
             )
         else:
             run = f", flow run {holder.flow_run_id}" if holder.flow_run_id else ""
             reason = f" ({why[node]})" if node in why else ""
             described.append(
-                f"{node} is held by deployment {holder.deployment_id} since {holder.since}"
-                f"{run}{reason}"
+                f"{node} is held by deployment {holder.deployment_id}"
+                f"{holder.taken_as(cluster, node)} since {holder.since}{run}{reason}"
             )
     return "; ".join(described) or "the nodes were released while this deploy was giving up"
 
@@ -400,7 +467,7 @@ def _take_over(
 ) -> list[str]:
     """The stale holders' nodes recorded as this run's, under their takeover mutex; the nodes
     taken over (none while another deploy is taking them over)."""
-    names = [takeover_name(cluster, node) for node in stale]
+    names = [takeover_name(holder.machine_id) for holder in stale.values()]
     response = _increment(client, names, lease_s=TAKEOVER_LEASE_S)
     if response is None:
         return []
@@ -408,7 +475,7 @@ def _take_over(
     try:
         # Re-read under the mutex: another deploy may have taken over (or the holder let go)
         # since the decision.
-        now = _read_holders(client, cluster, list(stale))
+        now = _read_holders(client, {node: holder.machine_id for node, holder in stale.items()})
         since = datetime.now(UTC).isoformat(timespec="seconds")
         for node, holder in stale.items():
             if now[node] != holder:
@@ -416,8 +483,14 @@ def _take_over(
             same = holder.deployment_id == deployment_id
             _write_holder(
                 client,
-                cluster,
-                NodeHolder(node, deployment_id, holder.since if same else since, flow_run_id),
+                NodeHolder(
+                    node,
+                    deployment_id,
+                    holder.since if same else since,
+                    flow_run_id,
+                    cluster,
+                    holder.machine_id,
+                ),
             )
             taken.append(node)
             run = f"flow run {holder.flow_run_id}" if holder.flow_run_id else "no flow run"
@@ -426,8 +499,9 @@ def _take_over(
             else:
                 warn(
                     f"node {node} of cluster {cluster}: taking it over from deployment"
-                    f" {holder.deployment_id} (holder since {holder.since}, {run}): its flow run"
-                    " has ended and none of its containers is left on the node"
+                    f" {holder.deployment_id}{holder.taken_as(cluster, node)} (holder since"
+                    f" {holder.since}, {run}): its flow run has ended and none of its containers"
+                    " is left on the node"
                 )
     finally:
         _api(client.release_concurrency_slots_with_lease, UUID(response.json()["lease_id"]))
@@ -436,7 +510,7 @@ def _take_over(
 
 def acquire_nodes(
     cluster: str,
-    nodes: Sequence[str],
+    machines: Mapping[str, str],
     deployment_id: str,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -447,8 +521,11 @@ def acquire_nodes(
 ) -> list[str]:
     """Hold every node for `deployment_id`, waiting up to timeout_s for another to let go.
 
-    Idempotent for one deployment: nodes it already holds are kept (and recorded as held by
-    this flow run), unless another flow run of it is still going. A holder provably gone is
+    `machines`: node -> its machine id (sparkdeploy.remote.node_identity.machine_ids), in rank
+    order; the lock taken is the machine's, so a deployment of another inventory naming the same
+    machine is waited for like any other. Idempotent for one deployment: nodes it already holds
+    are kept (and recorded as held by this flow run), unless another flow run of it is still
+    going. A holder provably gone is
     taken over with a warning naming it (module docstring); without `containers_on` another
     deployment's holder is never proven gone. Returns the nodes newly taken (those taken over
     from another deployment included). Raises NodeLockError naming the holders when the wait
@@ -458,9 +535,10 @@ def acquire_nodes(
     waited_for: str | None = None
     flow_run_id = _current_flow_run_id()
     taken_over: list[str] = []
+    nodes = list(machines)
     with _lock_client() as client:
         while True:
-            current = _read_holders(client, cluster, nodes)
+            current = _read_holders(client, machines)
             decisions, why = _decide(client, current, deployment_id, flow_run_id, containers_on)
             stale = {
                 node: holder
@@ -477,10 +555,10 @@ def acquire_nodes(
                 why.update(dict.fromkeys(stale, "another deploy is taking it over right now"))
             wanted = [node for node in nodes if decisions.get(node) != "ours"]
             blocked = [node for node in wanted if current[node] is not None]
-            if wanted and not blocked and not _take_slots(client, cluster, wanted):
+            if wanted and not blocked and not _take_slots(client, _of(machines, wanted)):
                 blocked = wanted
             if blocked:
-                blockers = _describe_blockers(client, cluster, blocked, why)
+                blockers = _describe_blockers(client, cluster, _of(machines, blocked), why)
                 if time.monotonic() >= deadline:
                     raise NodeLockError(
                         f"deployment {deployment_id} could not take nodes {', '.join(wanted)} of"
@@ -495,10 +573,20 @@ def acquire_nodes(
                 continue
             since = datetime.now(UTC).isoformat(timespec="seconds")
             for node in wanted:
-                _write_holder(client, cluster, NodeHolder(node, deployment_id, since, flow_run_id))
+                _write_holder(
+                    client,
+                    NodeHolder(node, deployment_id, since, flow_run_id, cluster, machines[node]),
+                )
             if wanted:
-                log(f"deployment {deployment_id} holds {', '.join(wanted)} of cluster {cluster}")
+                held = ", ".join(
+                    f"{node} (machine {machine_label(machines[node])})" for node in wanted
+                )
+                log(f"deployment {deployment_id} holds {held} of cluster {cluster}")
             return [node for node in nodes if node in wanted or node in taken_over]
+
+
+def _of(machines: Mapping[str, str], nodes: Sequence[str]) -> dict[str, str]:
+    return {node: machines[node] for node in nodes}
 
 
 def release_nodes(
@@ -508,28 +596,36 @@ def release_nodes(
     *,
     log: Callable[[str], None] = _LOG.info,
 ) -> list[str]:
-    """Give back the nodes `deployment_id` holds; others' nodes stay as they are. Idempotent.
+    """Give back the nodes, as the cluster names them, that `deployment_id` holds; others'
+    nodes stay as they are. Idempotent. Found by the holder records (no node is asked: a node
+    that is down is let go too).
 
     The holder record goes first: a crash in between leaves a node locked by an unrecorded
     holder (safe, and named as such) rather than free with a stale record.
     """
     released = []
+    wanted = set(nodes)
     with _lock_client() as client:
         held_since: dict[str, list[str]] = {}
-        for node, holder in _read_holders(client, cluster, nodes).items():
-            if holder is None or holder.deployment_id != deployment_id:
+        for holder in _recorded_holders(client):
+            if (
+                holder.cluster != cluster
+                or holder.node not in wanted
+                or holder.deployment_id != deployment_id
+            ):
                 continue
-            _api(client.delete_variable_by_name, holder_variable(cluster, node))
-            held_since.setdefault(holder.since, []).append(node)
-            released.append(node)
+            _api(client.delete_variable_by_name, holder_variable(holder.machine_id))
+            held_since.setdefault(holder.since, []).append(holder.machine_id)
+            released.append(holder.node)
         for since, held in held_since.items():
-            names = [limit_name(cluster, node) for node in held]
+            names = [limit_name(machine) for machine in held]
             _api(
                 client.release_concurrency_slots,
                 names=names,
                 slots=1,
                 occupancy_seconds=_held_seconds(since),
             )
+    released = [node for node in nodes if node in released]
     if released:
         log(f"deployment {deployment_id} released {', '.join(released)} of cluster {cluster}")
     return released

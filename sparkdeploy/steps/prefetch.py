@@ -2,7 +2,8 @@
 
 huggingface_hub answers what a revision is: its commit sha and its files with size, git oid and
 LFS sha256. The bytes are moved by sparkdeploy.remote.blobfetch (http.client threads, resumable
-partial files, hashed while written) into the cache layout huggingface_hub itself writes and reads
+partial files, hashed while written; the hub's redirects to its storage host followed without the
+token) into the cache layout huggingface_hub itself writes and reads
 offline: `models--org--name/blobs/<sha256 or git oid>`, `snapshots/<sha>/<path>` as relative
 symlinks to the blobs, `refs/<branch>`. Around that this module adds what a shared NAS cache
 needs: a free-space check before anything is fetched, a per-repo lock so two flows never download
@@ -10,6 +11,11 @@ the same repo at once, a sha256 (LFS) or git-oid (small files) check of every fi
 manifest per commit, `models--org--name/.sparkdeploy/<sha>.json`, that records each file's size
 and the inode and mtime it had when verified. A repo whose manifest still matches the disk is
 complete: that check is one stat per file and never reads file data.
+
+The hub's refusals are named from its X-Error-Code (GatedRepo, RepoNotFound, RevisionNotFound,
+EntryNotFound) with what to do, and never retried; a 429 or 503 that says how long to wait
+(Retry-After) is waited for in place, up to HubAccess.max_retry_after_s (docs/field.md, "The
+Hugging Face hub").
 """
 
 from __future__ import annotations
@@ -36,12 +42,9 @@ from urllib.parse import quote
 import httpx2
 from huggingface_hub import HfApi
 from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
-from huggingface_hub.errors import (
-    GatedRepoError,
-    HfHubHTTPError,
-    RevisionNotFoundError,
-)
+from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.hf_api import ModelInfo
 
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
 from sparkdeploy.remote import blobfetch
@@ -49,6 +52,10 @@ from sparkdeploy.units import human_bytes
 
 PUBLIC_HUB = "https://huggingface.co"
 TOKEN_SECRET_BLOCK = "hf-token"
+# Where a token can come from, as the operator sets it (tasks.prefetch reads them in this order).
+TOKEN_SOURCES = f"the Prefect Secret block '{TOKEN_SECRET_BLOCK}' or HF_TOKEN"
+# The hub's answer to a token that is no token of its own (revoked, mistyped).
+_INVALID_TOKEN_MESSAGE = "Invalid credentials in Authorization header"
 MANIFEST_DIRNAME = ".sparkdeploy"
 MANIFEST_VERSION = 1
 LOCK_FILENAME = "prefetch.lock"
@@ -81,10 +88,12 @@ class RepoSpec:
 
 @dataclass(frozen=True)
 class HubAccess:
-    """Where the hub is and how to talk to it. The token stays out of repr, so out of logs."""
+    """Where the hub is and how to talk to it. The token stays out of repr, so out of logs;
+    token_source says where it came from, for the errors that are about it."""
 
     endpoint: str = field(default_factory=lambda: os.environ.get("HF_ENDPOINT") or PUBLIC_HUB)
     token: str | None = field(default=None, repr=False)
+    token_source: str = TOKEN_SOURCES
     max_workers: int = 8
     # Bounds the revision lookup, and each connect and read of a download (not the whole file).
     request_timeout_s: float = 60.0
@@ -92,6 +101,9 @@ class HubAccess:
     # the last one stopped, the waits doubling from retry_backoff_s.
     download_attempts: int = 5
     retry_backoff_s: float = 1.0
+    # The longest wait a Retry-After (429 rate limit, 503) gets in place; a longer one fails the
+    # call as transient, for the task's own retry. The hub's rate-limit window is 5 minutes.
+    max_retry_after_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -218,7 +230,7 @@ def prefetch(
         if ref.revision is not None and _COMMIT_SHA.fullmatch(ref.revision):
             sha, files = ref.revision, None  # a pinned commit: the manifest may answer alone
         else:
-            sha, files = _revision_files(api, ref, hub)
+            sha, files = _revision_files(api, ref, hub, observer)
         complete = _complete_outcome(cache_dir, ref, sha)
         if complete is not None:
             _write_ref(cache_dir, ref, sha)
@@ -229,7 +241,7 @@ def prefetch(
             )
             continue
         if files is None:
-            _, files = _revision_files(api, ref, hub)
+            _, files = _revision_files(api, ref, hub, observer)
         pending.append(_Pending(ref, sha, files, _missing_bytes(cache_dir, ref.repo, sha, files)))
 
     check_free_space(cache_dir, {p.ref.repo: p.missing_bytes for p in pending})
@@ -265,12 +277,11 @@ def _token_argument(hub: HubAccess) -> str | bool:
     return hub.token if hub.token else False
 
 
-def _revision_files(api: HfApi, ref: RepoLike, hub: HubAccess) -> tuple[str, list[_HubFile]]:
+def _revision_files(
+    api: HfApi, ref: RepoLike, hub: HubAccess, observer: PrefetchObserver
+) -> tuple[str, list[_HubFile]]:
     """The revision's commit sha and its files, from one hub call (so the two agree)."""
-    with _hub_errors(ref, hub):
-        info = api.model_info(
-            ref.repo, revision=ref.revision, files_metadata=True, timeout=hub.request_timeout_s
-        )
+    info = _model_info(api, ref, hub, observer)
     not_a_hub = (
         f"the hub at {hub.endpoint} returned no commit sha or no file sizes and oids for "
         f"{ref.repo}@{ref.revision or 'main'}: is HF_ENDPOINT a Hugging Face hub?"
@@ -284,6 +295,31 @@ def _revision_files(api: HfApi, ref: RepoLike, hub: HubAccess) -> tuple[str, lis
         lfs_sha256 = sibling.lfs.sha256 if sibling.lfs is not None else None
         files.append(_HubFile(sibling.rfilename, sibling.size, sibling.blob_id, lfs_sha256))
     return info.sha, files
+
+
+def _model_info(api: HfApi, ref: RepoLike, hub: HubAccess, observer: PrefetchObserver) -> ModelInfo:
+    """The revision's info, asked again after the wait the hub's Retry-After asks for (a rate
+    limit), up to hub.download_attempts times; any other failure is raised at once."""
+    attempt = 1
+    while True:
+        try:
+            with _hub_errors(ref, hub):
+                return api.model_info(
+                    ref.repo,
+                    revision=ref.revision,
+                    files_metadata=True,
+                    timeout=hub.request_timeout_s,
+                )
+        except TransientPrefetchError as exc:
+            wait = exc.retry_after_s
+            if wait is None or wait > hub.max_retry_after_s or attempt >= hub.download_attempts:
+                raise
+            attempt += 1
+            observer.on_message(
+                f"{exc}; waiting the {wait:.0f} s its Retry-After asks for, then asking again"
+                f" (attempt {attempt} of {hub.download_attempts})"
+            )
+            time.sleep(wait)
 
 
 def _complete_outcome(cache_dir: Path, ref: RepoLike, sha: str) -> RepoOutcome | None:
@@ -565,6 +601,11 @@ def _fetch_file(
     def on_retry(reason: str, offset: int, delay_s: float) -> None:
         observer.on_message(f"{where}: {reason}; retrying from byte {offset} in {delay_s:.0f} s")
 
+    def remove_empty_partial() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            if partial.stat().st_size == 0:
+                partial.unlink()
+
     try:
         digest = blobfetch.fetch(
             connections,
@@ -574,11 +615,20 @@ def _fetch_file(
             new_digest=f.new_digest,
             attempts=hub.download_attempts,
             backoff_s=hub.retry_backoff_s,
+            max_retry_after_s=hub.max_retry_after_s,
             on_bytes=meter.add,
             on_retry=on_retry,
         )
     except blobfetch.HttpStatusError as exc:
-        raise _status_error(exc.status, ref, hub, missing_file_url=exc.url) from exc
+        remove_empty_partial()  # a refusal leaves nothing to resume
+        raise _status_error(
+            exc.status,
+            ref,
+            hub,
+            error_code=exc.error_code,
+            detail=exc.detail,
+            download=_Download(f.path, sha, exc.url),
+        ) from exc
     except blobfetch.TransferError as exc:
         raise TransientPrefetchError(
             f"{where}: {exc}; the {partial.stat().st_size} bytes received are kept in {partial} "
@@ -780,12 +830,14 @@ def _map_hub_error(exc: BaseException, ref: RepoLike, hub: HubAccess) -> Prefetc
     """The PrefetchError for a failed huggingface_hub call, or None if it is not a hub failure."""
     for cause in _cause_chain(exc):
         if isinstance(cause, HfHubHTTPError) and cause.response is not None:
+            headers = cause.response.headers
             return _status_error(
                 cause.response.status_code,
                 ref,
                 hub,
-                gated=isinstance(cause, GatedRepoError),
-                revision_not_found=isinstance(cause, RevisionNotFoundError),
+                error_code=headers.get("X-Error-Code"),
+                detail=headers.get("X-Error-Message") or "",
+                retry_after_s=blobfetch.retry_after_s(headers),
             )
         if isinstance(cause, httpx2.TransportError):
             return TransientPrefetchError(
@@ -795,52 +847,102 @@ def _map_hub_error(exc: BaseException, ref: RepoLike, hub: HubAccess) -> Prefetc
     return None
 
 
+@dataclass(frozen=True)
+class _Download:
+    """The file download a hub error answered: the file, the commit it is of, the URL asked."""
+
+    path: str
+    sha: str
+    url: str
+
+
 def _status_error(
     status: int,
     ref: RepoLike,
     hub: HubAccess,
     *,
-    gated: bool = False,
-    revision_not_found: bool = False,
-    missing_file_url: str | None = None,
+    error_code: str | None = None,
+    detail: str = "",
+    retry_after_s: float | None = None,
+    download: _Download | None = None,
 ) -> PrefetchError:
-    """The error for an HTTP status from the hub; missing_file_url: a listed file's URL."""
+    """The error for an HTTP status from the hub, named from its X-Error-Code, with the fix.
+
+    `download`: the status answered a file's download (None: the revision's info).
+    """
     where = f"{ref.repo}@{ref.revision or 'main'}"
-    token_hint = (
-        f"the token in use has no access: accept the repo's terms on the hub with the account the "
-        f"Prefect Secret block '{TOKEN_SECRET_BLOCK}' (or HF_TOKEN) belongs to"
-        if hub.token
-        else f"no token is set: store one in the Prefect Secret block '{TOKEN_SECRET_BLOCK}' "
-        "or export HF_TOKEN"
-    )
-    if gated or status == 403:
-        return PrefetchError(f"{where} is gated on {hub.endpoint} (HTTP {status}): {token_hint}")
-    if status == 401:
+    answer = f"HTTP {status} {error_code}" if error_code else f"HTTP {status}"
+    page = f"{hub.endpoint.rstrip('/')}/{ref.repo}"
+    if error_code == "GatedRepo":
+        if not hub.token:
+            return PrefetchError(
+                f"{where} is a gated repo on {hub.endpoint} ({answer}) and no token was sent:"
+                f" accept the licence at {page} with your Hugging Face account and set HF_TOKEN"
+                f" (or the Prefect Secret block '{TOKEN_SECRET_BLOCK}') to a token of that account"
+            )
         return PrefetchError(
-            f"the hub at {hub.endpoint} refused {where} (HTTP 401: the repo is private, "
-            f"gated or misspelled): check the name in the recipe; {token_hint}"
+            f"{where} is a gated repo on {hub.endpoint} ({answer}) and the token from"
+            f" {hub.token_source} has no access to it: accept the licence at {page} with the"
+            " account that token belongs to (the repo's authors may have to approve it), or set"
+            f" HF_TOKEN (or the Prefect Secret block '{TOKEN_SECRET_BLOCK}') to a token of an"
+            " account that has access"
         )
-    if status == 404 and revision_not_found:
+    if status == 401 and error_code is None and detail == _INVALID_TOKEN_MESSAGE:
         return PrefetchError(
-            f"{ref.repo} has no revision {ref.revision!r} on {hub.endpoint} (HTTP 404): "
-            "fix the revision pinned in the recipe"
+            f"the hub at {hub.endpoint} refused the token from {hub.token_source} for {where}"
+            f" ({answer}: {detail}): the token is revoked, expired or mistyped; set HF_TOKEN (or"
+            f" the Prefect Secret block '{TOKEN_SECRET_BLOCK}') to a valid token"
         )
-    if status == 404 and missing_file_url is not None:
-        return PrefetchError(
-            f"{where}: {missing_file_url} is in the repo's file list but the hub at "
-            f"{hub.endpoint} answers HTTP 404 for it: the hub is inconsistent; retry later"
+    if error_code == "RepoNotFound" or (status == 401 and download is None):
+        private = (
+            f"; if it is private, the token from {hub.token_source} cannot read it"
+            if hub.token
+            else f"; if it is private, set HF_TOKEN (or the Prefect Secret block"
+            f" '{TOKEN_SECRET_BLOCK}') to a token of an account that can read it"
         )
-    if status == 404:
         return PrefetchError(
-            f"{where} not found on {hub.endpoint} (HTTP 404): check the repo name "
-            "and revision in the recipe"
+            f"{where} not found on {hub.endpoint} ({answer}): check the repo name in the"
+            f" recipe{private}"
+        )
+    if error_code == "RevisionNotFound" and download is not None:
+        return TransientPrefetchError(
+            f"{where}: commit {download.sha} is no longer on the hub at {hub.endpoint} ({answer}"
+            f" for {download.path}): the branch moved while this prefetch ran (a force-push);"
+            " the next try takes its new head"
+        )
+    if error_code == "RevisionNotFound" or (status == 404 and download is None):
+        return PrefetchError(
+            f"{ref.repo} has no revision {ref.revision or 'main'!r} on {hub.endpoint}"
+            f" ({answer}): fix the revision pinned in the recipe"
+        )
+    if download is not None and status == 404:
+        return PrefetchError(
+            f"{where}: {download.path} is in the file list of commit {download.sha} but"
+            f" {download.url} answers {answer}: the hub has lost the file; tell the repo's"
+            " owner, or pin another revision in the recipe"
         )
     if status in blobfetch.TRANSIENT_STATUS:
-        return TransientPrefetchError(
-            f"the hub at {hub.endpoint} answered HTTP {status} for {where}: a hub-side "
-            "failure, retry later"
+        error = TransientPrefetchError(
+            f"the hub at {hub.endpoint} answered {answer} for {where}"
+            + ("" if retry_after_s is None else f" with Retry-After: {retry_after_s:.0f} s")
+            + _retry_hint(retry_after_s, hub)
         )
-    return PrefetchError(f"the hub at {hub.endpoint} answered HTTP {status} for {where}")
+        error.retry_after_s = retry_after_s
+        return error
+    return PrefetchError(
+        f"the hub at {hub.endpoint} answered {answer} for {where}"
+        + (f" ({download.url})" if download is not None else "")
+        + (f": {detail}" if detail else "")
+    )
+
+
+def _retry_hint(retry_after_s: float | None, hub: HubAccess) -> str:
+    if retry_after_s is not None and retry_after_s > hub.max_retry_after_s:
+        return (
+            f", longer than the {hub.max_retry_after_s:.0f} s a prefetch waits in place: the"
+            " task tries again later"
+        )
+    return ": a hub-side failure or a rate limit, retry later"
 
 
 def _cause_chain(exc: BaseException) -> Iterator[BaseException]:
