@@ -41,13 +41,13 @@ from urllib.parse import quote
 
 import httpx2
 from huggingface_hub import HfApi
-from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.hf_api import ModelInfo
 
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
 from sparkdeploy.remote import blobfetch
+from sparkdeploy.remote.hf_tree_cache import TreeFile, write_commit_files
 from sparkdeploy.units import human_bytes
 
 PUBLIC_HUB = "https://huggingface.co"
@@ -668,21 +668,13 @@ def _write_manifest(cache_dir: Path, repo: str, sha: str, entries: list[dict[str
 
 
 def _write_tree_cache(storage: Path, sha: str, files: Sequence[_HubFile]) -> None:
-    """Record the commit's file list where huggingface_hub keeps it (`trees/<sha>.json`).
-
-    Its offline snapshot_download checks a snapshot against that list, and an online one skips
-    the tree listing; this is what its own snapshot_download would have left.
-    """
-    entries = {
-        f.path: TreeCacheEntry(
-            size=f.size,
-            blob_id=f.blob_id,
-            lfs_sha256=f.lfs_sha256,
-            lfs_size=f.size if f.lfs_sha256 is not None else None,
-        )
-        for f in files
-    }
-    write_tree_cache(str(storage), sha, entries)
+    """Record the commit's file list where huggingface_hub keeps it: what its own
+    snapshot_download would have left."""
+    write_commit_files(
+        storage,
+        sha,
+        {f.path: TreeFile(size=f.size, blob_id=f.blob_id, lfs_sha256=f.lfs_sha256) for f in files},
+    )
 
 
 def _write_ref(cache_dir: Path, ref: RepoLike, sha: str) -> None:
