@@ -184,6 +184,7 @@ class ImageInputs:
         sources = [(path, path.name) for path in sorted(engine_dir.glob("*.py"))]
         sources += [
             (REPO_ROOT / "sparkdeploy" / "engram.py", "engram.py"),
+            (REPO_ROOT / "sparkdeploy" / "kv_cache.py", "kv_cache.py"),
             (REPO_ROOT / "lab" / "tinymodel.py", "tinymodel.py"),
         ]
         return cls(
