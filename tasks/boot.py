@@ -6,7 +6,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.logging import get_run_logger
 
-from sparkdeploy.boot import DEFAULT_MIN_MEMORY_BYTES, BootResult, boot
+from sparkdeploy.boot import BootResult, boot
 from sparkdeploy.locks import holders
 from sparkdeploy.plan import Plan
 from sparkdeploy.targets import plan_targets
@@ -14,7 +14,7 @@ from sparkdeploy.teardown import teardown
 
 
 @task(name="boot")
-def boot_deployment(plan: Plan, *, min_memory_bytes: int = DEFAULT_MIN_MEMORY_BYTES) -> BootResult:
+def boot_deployment(plan: Plan) -> BootResult:
     """Preflight, stale containers out, the plan's containers started. The caller holds the
     nodes (tasks.hold_nodes); a failed boot leaves no container of the deployment behind."""
     logger = get_run_logger()
@@ -25,8 +25,6 @@ def boot_deployment(plan: Plan, *, min_memory_bytes: int = DEFAULT_MIN_MEMORY_BY
             held_by={
                 node: holder.deployment_id if holder else None for node, holder in held.items()
             },
-            drop_page_cache=plan.drop_page_cache,
-            min_memory_bytes=min_memory_bytes,
             log=logger.info,
         )
     except BaseException:
