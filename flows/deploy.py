@@ -12,6 +12,7 @@ from prefect import flow
 from sparkdeploy.steps.summary import DeploySummary, StepClock
 from tasks.boot import boot_deployment
 from tasks.compose_model import compose_models_on_nodes
+from tasks.fit import check_fit
 from tasks.hold_nodes import hold_nodes, let_go_of_nodes
 from tasks.image import ensure_images
 from tasks.plan import plan_deployment
@@ -23,14 +24,15 @@ from tasks.stage_engram import stage_engram_on_nodes
 from tasks.summary import publish_summary
 from tasks.teardown import tear_down_cancelled_run, teardown_deployment
 
-# Steps a deploy may skip, e.g. skip=["prefetch"] when the NAS is known to be complete.
-Step = Literal["prefetch", "stage", "image", "compose", "smoke"]
+# Steps a deploy may skip, e.g. skip=["prefetch"] when the NAS is known to be complete, or
+# skip=["fit"] for a model the fit check sizes wrongly (docs/field.md#memory-fit).
+Step = Literal["prefetch", "fit", "stage", "image", "compose", "smoke"]
 
 
 @flow(
     name="deploy",
     flow_run_name="deploy {recipe} on {cluster}",
-    description="Plan, prefetch, stage, image, compose, boot, readiness gate, smoke test.",
+    description="Plan, prefetch, fit, stage, image, compose, boot, readiness gate, smoke test.",
     log_prints=False,
     # Cancelled from the UI or `prefect flow-run cancel`: nothing of the run is left running.
     on_cancellation=[tear_down_cancelled_run],
@@ -46,7 +48,9 @@ def deploy(
 ) -> DeploySummary:
     """Deploy `recipe` on `cluster` (its first required_nodes nodes unless `nodes` names them).
 
-    The nodes are held for the deployment before anything is put on them; a node held by
+    Once the NAS holds the model, the fit check refuses a recipe whose model, KV cache and
+    engine cannot fit a node's memory. The nodes are held for the deployment before anything is
+    put on them; a node held by
     another deployment is waited for up to lock_timeout_s. A failure from the boot on tears
     the deployment down and lets its nodes go, unless keep_on_failure is set and the containers
     started; an earlier failure lets go of the nodes this run took.
@@ -66,6 +70,10 @@ def deploy(
         if "prefetch" not in skipped:
             with clock.step("prefetch"):
                 prefetch_repos(plan.repos, plan.nas_hf_cache, plan.hub_endpoint)
+        if "fit" not in skipped:
+            # Before anything is put on a node: a recipe that cannot fit is refused here.
+            with clock.step("fit"):
+                plan = check_fit(plan)
         with clock.step("hold nodes"):
             held.result()
         with clock.step("stage, image, compose"):

@@ -62,6 +62,8 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "dockerd", "containerd", "sshd")
 REGISTRY_BINARY = "/usr/bin/docker-registry"
 MACHINE_ID = Path("/etc/machine-id")
+LAB_NODE_MEMORY_GIB = 6.0
+LAB_ENGINE_OVERHEAD_GIB = 2.0
 
 
 def run(argv: list[str], *, stdin: bytes | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:
@@ -115,8 +117,8 @@ def _write(path: Path, content: str | bytes, mode: int = 0o644) -> None:
 def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
+    if isinstance(value, int | float):
+        return repr(value)
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, list):
@@ -515,6 +517,12 @@ class Lab:
                     # The lab's fabric is a veth: "auto" finds no RDMA device, NCCL uses sockets.
                     "roce_hcas": "auto",
                     "gid_index": "auto",
+                    # The nodes share the host's memory and /proc/meminfo: what one may use.
+                    "memory_gib": LAB_NODE_MEMORY_GIB,
+                    # Engines on the CPU, in host RAM: the page cache counts as available.
+                    "unified_memory": False,
+                    # The real engine beside its KV cache, measured (docs/real-engine.md).
+                    "engine_overhead_gib": LAB_ENGINE_OVERHEAD_GIB,
                 },
             )
             + "".join(

@@ -187,6 +187,7 @@ class ImageInputs:
         sources = [(path, path.name) for path in sorted(engine_dir.glob("*.py"))]
         sources += [
             (REPO_ROOT / "sparkdeploy" / "node" / "engram.py", "engram.py"),
+            (REPO_ROOT / "sparkdeploy" / "vllm" / "kv_cache.py", "kv_cache.py"),
             (REPO_ROOT / "lab" / "tinymodel.py", "tinymodel.py"),
         ]
         return cls(

@@ -12,12 +12,13 @@ from typing import Annotated
 
 import typer
 
-from sparkdeploy.errors import SparkDeployError
+from sparkdeploy.errors import FitError, SparkDeployError
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.plan import NodePlan, Plan
 from sparkdeploy.model.project import load_plan
 from sparkdeploy.model.recipe import load_recipe, recipe_paths
 from sparkdeploy.model.secrecy import MASK
+from sparkdeploy.steps.fit import fit_report
 from sparkdeploy.vllm.args import is_flag
 
 app = typer.Typer(
@@ -117,7 +118,29 @@ def _docker_run_text(node: NodePlan) -> str:
     return " \\\n    ".join(lines)
 
 
-def _plan_text(plan: Plan) -> str:
+def _fit_text(plan: Plan, unchecked: str | None) -> list[str]:
+    if plan.fit is None:
+        return [f"# memory fit not checked here ({unchecked}); a deploy checks it after prefetch"]
+    report = plan.fit
+    lines = [f"# memory fit of {report.summary_line()}", *(f"#   {row}" for row in report.table())]
+    lines += [f"# note: {note}" for note in report.notes]
+    lines += [f"# WARNING: {warning}" for warning in report.warnings]
+    if report.refusal is not None:
+        lines.append("# DOES NOT FIT (a deploy refuses to start):")
+        lines += [f"#   {line}" for line in report.refusal.splitlines()]
+    return lines
+
+
+def _with_fit(plan: Plan) -> tuple[Plan, str | None]:
+    """The plan with the fit check's figures when this host sees the model in the NAS cache,
+    else why not."""
+    try:
+        return plan.model_copy(update={"fit": fit_report(plan)}), None
+    except FitError as exc:
+        return plan, str(exc)
+
+
+def _plan_text(plan: Plan, fit_unchecked: str | None) -> str:
     out = [
         f"# deployment {plan.deployment_id}: recipe {plan.recipe} on cluster {plan.cluster}",
         f"# endpoint {plan.endpoint}  served model {plan.served_model_name}  "
@@ -130,6 +153,7 @@ def _plan_text(plan: Plan) -> str:
     ]
     if plan.blocked:
         out.insert(1, f"# BLOCKED (a deploy refuses to start): {plan.blocked}")
+    out += _fit_text(plan, fit_unchecked)
     for node in plan.nodes:
         ssh = node.ssh
         out += [
@@ -180,4 +204,5 @@ def plan(
     except SparkDeployError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
-    typer.echo(result.model_dump_json(indent=2) if as_json else _plan_text(result))
+    result, fit_unchecked = _with_fit(result)
+    typer.echo(result.model_dump_json(indent=2) if as_json else _plan_text(result, fit_unchecked))

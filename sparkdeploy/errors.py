@@ -25,6 +25,15 @@ class RecipeBlocked(PlanError):
     """The recipe says it must not be deployed (its `blocked` reason) and no override was given."""
 
 
+class FitError(PlanError):
+    """The fit check cannot size the deployment's memory (model not in the NAS, config lacking)."""
+
+
+class DoesNotFit(FitError):
+    """The model, its KV cache and the engine do not fit a node's memory (figures and knobs in
+    the message)."""
+
+
 class RemoteError(SparkDeployError):
     """A command on a node failed (not reachable, non-zero exit, timeout)."""
 

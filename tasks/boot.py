@@ -8,13 +8,13 @@ from prefect.logging import get_run_logger
 
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.remote.targets import plan_targets
-from sparkdeploy.steps.boot import DEFAULT_MIN_MEMORY_BYTES, BootResult, boot
+from sparkdeploy.steps.boot import BootResult, boot
 from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.teardown import teardown
 
 
 @task(name="boot")
-def boot_deployment(plan: Plan, *, min_memory_bytes: int = DEFAULT_MIN_MEMORY_BYTES) -> BootResult:
+def boot_deployment(plan: Plan) -> BootResult:
     """Preflight, stale containers out, the plan's containers started. The caller holds the
     nodes (tasks.hold_nodes); a failed boot leaves no container of the deployment behind."""
     logger = get_run_logger()
@@ -25,8 +25,6 @@ def boot_deployment(plan: Plan, *, min_memory_bytes: int = DEFAULT_MIN_MEMORY_BY
             held_by={
                 node: holder.deployment_id if holder else None for node, holder in held.items()
             },
-            drop_page_cache=plan.drop_page_cache,
-            min_memory_bytes=min_memory_bytes,
             log=logger.info,
         )
     except BaseException:

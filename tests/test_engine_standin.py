@@ -403,6 +403,7 @@ def test_runs_from_a_flat_copy_as_in_the_image(engines: Engines, tmp_path: Path)
     for source in [
         *(REPO_ROOT / "lab" / "engine").glob("*.py"),
         REPO_ROOT / "sparkdeploy" / "node" / "engram.py",
+        REPO_ROOT / "sparkdeploy" / "vllm" / "kv_cache.py",
         REPO_ROOT / "lab" / "tinymodel.py",
     ]:
         shutil.copy(source, flat / source.name)

@@ -67,9 +67,19 @@ class SshDefaults(_Strict):
     connect_timeout_s: float = Field(default=10.0, gt=0)
 
 
+# A DGX Spark's GB10: the memory CUDA reports as its total (docs/field.md#nodes-and-fabric).
+GB10_MEMORY_GIB = 121.63
+# Per rank, beside weights and KV cache: CUDA context, activation peak, CUDA graphs, NCCL buffers
+# (docs/field.md#memory-fit).
+DEFAULT_ENGINE_OVERHEAD_GIB = 4.0
+
+
 class NodeDefaults(_Strict):
     gpus: int = Field(default=1, ge=1)
     fabric_netdev: str | None = None
+    memory_gib: float = Field(default=GB10_MEMORY_GIB, gt=0)
+    unified_memory: bool = True
+    engine_overhead_gib: float = Field(default=DEFAULT_ENGINE_OVERHEAD_GIB, ge=0)
     roce_hcas: RoceHcas = "auto"
     gid_index: GidIndex = "auto"
 
@@ -89,6 +99,9 @@ class NodeEntry(_Strict):
     connect_timeout_s: float | None = Field(default=None, gt=0)
     gpus: int | None = Field(default=None, ge=1)
     fabric_netdev: str | None = None
+    memory_gib: float | None = Field(default=None, gt=0)
+    unified_memory: bool | None = None
+    engine_overhead_gib: float | None = Field(default=None, ge=0)
     roce_hcas: RoceHcas | None = None
     gid_index: GidIndex | None = None
 
@@ -162,6 +175,9 @@ class Node(_Strict):
     fabric_netdev: str
     roce_hcas: RoceHcas
     gid_index: GidIndex
+    memory_gib: float
+    unified_memory: bool
+    engine_overhead_gib: float
 
     @property
     def home(self) -> str:
@@ -267,6 +283,15 @@ def _merge_node(
         fabric_netdev=netdev,
         roce_hcas=entry.roce_hcas if entry.roce_hcas is not None else defaults.roce_hcas,
         gid_index=entry.gid_index if entry.gid_index is not None else defaults.gid_index,
+        memory_gib=entry.memory_gib or defaults.memory_gib,
+        unified_memory=(
+            entry.unified_memory if entry.unified_memory is not None else defaults.unified_memory
+        ),
+        engine_overhead_gib=(
+            entry.engine_overhead_gib
+            if entry.engine_overhead_gib is not None
+            else defaults.engine_overhead_gib
+        ),
     )
     return node, problems
 

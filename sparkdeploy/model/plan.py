@@ -15,8 +15,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, SecretStr
 
-from sparkdeploy.errors import PlanError
+from sparkdeploy.errors import PlanError, RecipeError
 from sparkdeploy.model.cluster import Cluster, GidIndex, Node, RoceHcas
+from sparkdeploy.model.memory import EngineMemory, FitReport, NodeMemory, read_memory_flags
 from sparkdeploy.model.recipe import MarkerSpec, Recipe, RepoRef, SmokeOptions
 from sparkdeploy.model.secrecy import API_KEY_ENV, API_KEY_FLAG, Secret
 from sparkdeploy.vllm.markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
@@ -35,6 +36,7 @@ __all__ = [
     "make_plan",
 ]
 
+GIB = 1 << 30
 MASTER_PORT = 29501  # vLLM's mp backend: workers reach the head's store here
 RAY_PORT = 6379
 LABEL_PREFIX = "sparkdeploy."
@@ -134,6 +136,7 @@ class NodePlan(_Data):
     roce_hcas: RoceHcas
     gid_index: GidIndex
     tp_ranks: list[int]
+    memory: NodeMemory
     container: ContainerSpec
     serve_exec: list[str] | None  # Ray: the `vllm serve` argv run in the head's container
     engram: list[EngramStage]
@@ -161,7 +164,10 @@ class Plan(_Data):
     registry: str | None  # where built images travel from the builder to the other nodes
     drop_page_cache: bool
     blocked: str | None
+    memory: EngineMemory
     nodes: list[NodePlan]
+    # The fit check's figures (sparkdeploy.steps.fit), once the model is in the NAS cache.
+    fit: FitReport | None = None
 
     @property
     def head(self) -> NodePlan:
@@ -321,6 +327,30 @@ def _engram_source(recipe: Recipe) -> RepoRef:
     return RepoRef(repo=recipe.model, revision=recipe.model_revision)
 
 
+def _node_memory(node: Node) -> NodeMemory:
+    return NodeMemory(
+        total_bytes=round(node.memory_gib * GIB),
+        unified=node.unified_memory,
+        engine_overhead_bytes=round(node.engine_overhead_gib * GIB),
+    )
+
+
+def _engine_memory(recipe: Recipe) -> EngineMemory:
+    flags, problems = read_memory_flags(recipe.vllm_args, recipe.env)
+    if problems:
+        raise RecipeError(
+            "\n".join(f"recipe {recipe.recipe_id}: {problem}" for _, problem in problems)
+        )
+    return EngineMemory(
+        model=recipe.model,
+        model_revision=recipe.model_revision,
+        drafter=recipe.speculative_model,
+        tensor_parallel_size=recipe.tensor_parallel_size,
+        pipeline_parallel_size=recipe.pipeline_parallel_size,
+        flags=flags,
+    )
+
+
 def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = None) -> Plan:
     """What happens on each node. `nodes` names them in rank order; default: the first N."""
     selected = cluster.select(recipe.required_nodes, nodes)
@@ -380,6 +410,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
                 roce_hcas=node.roce_hcas,
                 gid_index=node.gid_index,
                 tp_ranks=tp_ranks,
+                memory=_node_memory(node),
                 container=container,
                 serve_exec=serve_exec,
                 engram=engram,
@@ -418,5 +449,6 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
         registry=cluster.docker.registry,
         drop_page_cache=cluster.docker.drop_page_cache,
         blocked=recipe.blocked_reason,
+        memory=_engine_memory(recipe),
         nodes=node_plans,
     )

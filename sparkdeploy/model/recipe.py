@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from sparkdeploy.errors import RecipeError
+from sparkdeploy.model.memory import read_memory_flags
 from sparkdeploy.model.secrecy import (
     API_KEY_ENV,
     API_KEY_FLAG,
@@ -348,6 +349,9 @@ def recipe_problems(
         args_valid = not arg_problems
         problems += arg_problems
     problems += _path_problems(recipe, where, broken)
+    if args_valid and valid("env"):
+        _, memory_problems = read_memory_flags(recipe.vllm_args, recipe.env)
+        problems += [f"{where(key)}: {problem}" for key, problem in memory_problems]
     if valid("env"):
         problems += _env_problems(recipe, where)
     if valid("env", "secret_env"):

@@ -31,6 +31,7 @@ HEADER_LENGTH_BYTES = 8
 # A safetensors header larger than this is a corrupt length field, not a real header.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 SCALE_GROUP = 32  # one ue8m0 scale per 32 fp8 values of a row
+INDEX_FILE = "model.safetensors.index.json"
 
 CONFIG_KEYS = (
     "engram_layer_ids",
@@ -268,6 +269,22 @@ class TensorInfo:
     def row_width(self) -> int:
         """Bytes per row (per index of the first dimension)."""
         return math.prod(self.shape[1:]) * DTYPE_BYTES[self.dtype]
+
+
+def safetensors_shards(snapshot: str | os.PathLike[str]) -> list[str]:
+    """The safetensors files of a model dir: every *.safetensors and every file its index's
+    weight_map names (whether present or not: a missing shard is the reader's error)."""
+    found = sorted(
+        os.path.join(snapshot, name)
+        for name in os.listdir(snapshot)
+        if name.endswith(".safetensors")
+    )
+    index = os.path.join(snapshot, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as index_file:
+            weight_map = json.load(index_file).get("weight_map", {})
+        found += sorted({os.path.join(snapshot, name) for name in weight_map.values()} - set(found))
+    return found
 
 
 def read_safetensors_header(

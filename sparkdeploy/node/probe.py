@@ -5,9 +5,10 @@ runs `main([mode, request_json])`; the last stdout line is the JSON answer. Mode
 
 - `image`: {"image"} -> the image's id/size/labels (or null), docker's root dir and its free bytes.
 - `preflight`: {"image", "paths", "create", "gpus", "fabric_ip", "detect_rdma",
-  "drop_page_cache", "stale_label"} -> (the `create` dirs made first) the above plus missing
-  paths, MemAvailable, GPU count, RDMA facts, whether the cache was dropped, and the IDs of the
-  containers labelled `stale_label` (running or not).
+  "unified_memory", "required_free_bytes", "drop_page_cache", "stale_label"} -> (the `create`
+  dirs made first) the above plus missing paths, the memory figures of /proc/meminfo (after
+  dropping the page cache when allowed and needed: `check_memory`), the GPU's compute processes,
+  GPU count, RDMA facts, and the IDs of the containers labelled `stale_label` (running or not).
 
 docker is asked through its Engine API on the unix socket the docker CLI would use: a few
 milliseconds a question, where each start of the docker CLI (a Go binary) costs ~25 ms of CPU,
@@ -233,12 +234,28 @@ def free_bytes(path: str) -> int:
     return stats.f_bavail * stats.f_frsize
 
 
-def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
+def read_meminfo(meminfo: str = "/proc/meminfo") -> dict[str, int]:
+    """/proc/meminfo's figures in bytes (the kernel writes them in kB)."""
+    figures = {}
     with open(meminfo) as lines:
         for line in lines:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{meminfo} has no MemAvailable line")
+            name, _, rest = line.partition(":")
+            value = rest.split()
+            if value and value[0].isdigit():
+                figures[name] = int(value[0]) * 1024
+    return figures
+
+
+def memory_facts(meminfo: dict[str, int]) -> dict[str, int]:
+    """Total, free (MemFree), available (MemAvailable) and the page cache a drop can free:
+    file pages (Buffers + Cached) but shared memory, which Cached counts and no drop frees."""
+    page_cache = meminfo.get("Buffers", 0) + meminfo.get("Cached", 0) - meminfo.get("Shmem", 0)
+    return {
+        "total": meminfo["MemTotal"],
+        "free": meminfo["MemFree"],
+        "available": meminfo.get("MemAvailable", meminfo["MemFree"]),
+        "page_cache": max(0, page_cache),
+    }
 
 
 def gpu_count() -> int | None:
@@ -319,9 +336,72 @@ def detect_roce(root: str, fabric_ip: str | None) -> dict[str, Any]:
 
 
 def drop_page_cache() -> None:
+    """Dirty pages written out, then the clean page cache dropped ("1": pages only; dentries
+    and inodes stay, they are small and a composed snapshot's thousands of links reuse them)."""
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as control:
-        control.write("3\n")
+        control.write("1\n")
+
+
+def parse_compute_apps(text: str) -> list[dict[str, Any]]:
+    """The rows of `nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv`:
+    a header, then `1234, /usr/bin/python3, 6265 MiB` per process (`[N/A]` where the driver
+    does not count a process's memory, as on unified memory). A name may hold ", ": the pid is
+    the first field and the memory the last."""
+    processes = []
+    for line in text.splitlines():
+        fields = line.strip().split(", ")
+        if len(fields) < 3 or not fields[0].isdigit():
+            continue
+        amount, _, unit = fields[-1].partition(" ")
+        used = int(amount) * (1 << 20) if amount.isdigit() and unit == "MiB" else None
+        processes.append(
+            {"pid": int(fields[0]), "name": ", ".join(fields[1:-1]), "used_bytes": used}
+        )
+    return processes
+
+
+def gpu_processes() -> dict[str, Any]:
+    """The GPU's compute processes, or why they could not be listed."""
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return {"checked": False, "reason": "nvidia-smi is not installed on this node"}
+    try:
+        completed = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-compute-apps=pid,process_name,used_memory",
+                "--format=csv",
+            ],
+            capture_output=True,
+            timeout=DOCKER_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"checked": False, "reason": f"nvidia-smi did not answer in {DOCKER_TIMEOUT_S} s"}
+    if completed.returncode != 0:
+        error = completed.stderr.decode(errors="replace").strip()[-200:]
+        return {"checked": False, "reason": f"nvidia-smi exited {completed.returncode}: {error}"}
+    return {"checked": True, "processes": parse_compute_apps(completed.stdout.decode())}
+
+
+def check_memory(request: dict[str, Any], meminfo: str = "/proc/meminfo") -> dict[str, Any]:
+    """The node's memory, the page cache dropped first when it stands between the free memory
+    and what the engine needs: only on unified memory, where the GPU driver counts the page
+    cache as used (docs/field.md#memory-fit), and only where the inventory allows it."""
+    facts = memory_facts(read_meminfo(meminfo))
+    answer: dict[str, Any] = {"memory": facts, "page_cache_dropped": False}
+    short = facts["free"] < request["required_free_bytes"]
+    if request["unified_memory"] and short and request["drop_page_cache"] and facts["page_cache"]:
+        answer["memory_before_drop"] = facts
+        try:
+            drop_page_cache()
+            answer["page_cache_dropped"] = True
+        except OSError as error:
+            answer["page_cache_error"] = str(error)
+        answer["memory"] = memory_facts(read_meminfo(meminfo))
+    return answer
 
 
 def preflight(request: dict[str, Any]) -> dict[str, Any]:
@@ -329,14 +409,8 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
     for path in request["create"]:
         os.makedirs(path, exist_ok=True)
     answer["missing_paths"] = [path for path in request["paths"] if not os.path.exists(path)]
-    answer["page_cache_dropped"] = False
-    if request["drop_page_cache"]:
-        try:
-            drop_page_cache()
-            answer["page_cache_dropped"] = True
-        except OSError as error:
-            answer["page_cache_error"] = str(error)
-    answer["mem_available_bytes"] = mem_available_bytes()
+    answer.update(check_memory(request))
+    answer["gpu_processes"] = gpu_processes()
     answer["gpus"] = gpu_count() if request["gpus"] else None
     if request["detect_rdma"]:
         answer["rdma"] = detect_roce(SYSFS_INFINIBAND, request["fabric_ip"])

@@ -3,9 +3,12 @@
 `boot(plan)` in order:
 1. preflight on every node at once (sparkdeploy.node.probe, one round trip each): docker up,
    the image present with one ID on all nodes, the mount sources (composed dir, NAS cache)
-   present, GPUs visible when the plan asks for GPUs, enough MemAvailable; optionally the page
-   cache dropped first. The same round trip lists our stale containers there (any container
-   labelled sparkdeploy.deployment; docs/field.md: a worker that meets an old head hangs).
+   present, GPUs visible when the plan asks for GPUs, no GPU process of an earlier run left,
+   and the free memory vLLM wants at start (gpu-memory-utilization x the node's memory; on
+   unified memory MemFree, the page cache dropped first when that is what stands in the way and
+   the inventory allows it: docs/field.md#memory-fit). The same round trip lists our stale
+   containers there (any container labelled sparkdeploy.deployment; docs/field.md: a worker
+   that meets an old head hangs).
 2. where there are stale containers, those of this deployment (a stale copy of itself) and
    those whose deployment no longer holds the node go (their logs saved like teardown saves
    them), and those nodes are probed again, since the memory the stale ones held is free now.
@@ -47,7 +50,6 @@ from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.steps.teardown import RemovedContainer, remove_labelled
 
 GIB = 1024**3
-DEFAULT_MIN_MEMORY_BYTES = 8 * GIB
 RUN_TIMEOUT_S = 120.0
 STALE_STOP_TIMEOUT_S = 10
 # Runs the serve argv with its output on the container's own stdout/stderr (the log the gate
@@ -72,7 +74,9 @@ class NodeCheck:
     node: str
     docker_version: str
     image_id: str
-    mem_available_bytes: int
+    free_bytes: int  # MemFree on unified memory, else MemAvailable
+    required_free_bytes: int
+    page_cache_bytes: int
     gpus: int | None  # None when the plan asks for no GPUs
     detected_env: dict[str, str]  # NCCL_IB_HCA / NCCL_IB_GID_INDEX resolved from "auto"
     notes: list[str] = field(default_factory=list)
@@ -129,9 +133,61 @@ def _detected_env(node: NodePlan, rdma: dict[str, Any] | None, notes: list[str])
     return env
 
 
-def _node_problems(
-    node: NodePlan, answer: dict[str, Any], min_memory_bytes: int, drop_page_cache: bool
-) -> list[str]:
+def free_memory(node: NodePlan, answer: dict[str, Any]) -> int:
+    """The free memory that counts: on unified memory the GPU driver counts the page cache as
+    used (MemFree); elsewhere the kernel gives it back to a process that asks (MemAvailable)."""
+    memory = answer["memory"]
+    return int(memory["free"] if node.memory.unified else memory["available"])
+
+
+def _memory_problems(plan: Plan, node: NodePlan, answer: dict[str, Any]) -> list[str]:
+    memory = answer["memory"]
+    required = plan.memory.required_free_bytes(node.memory)
+    problems = []
+    if "page_cache_error" in answer:
+        problems.append(
+            f"dropping the page cache failed ({answer['page_cache_error']}): the SSH user"
+            " needs root for /proc/sys/vm/drop_caches, or set [docker] drop_page_cache = false"
+        )
+    free = free_memory(node, answer)
+    if free >= required:
+        return problems
+    counted = (
+        "MemFree: the GPU counts the page cache as used"
+        if node.memory.unified
+        else ("MemAvailable")
+    )
+    if answer["page_cache_dropped"]:
+        fix = "the page cache was dropped and it is still short: stop what holds the memory"
+    elif node.memory.unified and memory["page_cache"]:
+        fix = (
+            f"the page cache holds {memory['page_cache'] / GIB:.1f} GiB: set [docker]"
+            " drop_page_cache = true in the inventory to drop it before boot, or stop what holds"
+            " the memory"
+        )
+    else:
+        fix = "stop what holds the memory"
+    problems.append(
+        f"{free / GIB:.1f} GiB free ({counted}) of {memory['total'] / GIB:.1f} GiB, but the"
+        f" recipe needs {required / GIB:.1f} GiB free at start (--gpu-memory-utilization"
+        f" {plan.memory.flags.gpu_memory_utilization:g} x {node.memory.total_bytes / GIB:g} GiB,"
+        f" the inventory's memory_gib; vLLM would refuse to start): {fix}, or lower"
+        " --gpu-memory-utilization"
+    )
+    return problems
+
+
+def _gpu_process_problems(answer: dict[str, Any]) -> list[str]:
+    return [
+        f"GPU process {process['pid']} ({process['name']}) holds "
+        + (f"{process['used_bytes'] / GIB:.1f} GiB" if process["used_bytes"] is not None else "GPU")
+        + " memory: an engine of an earlier run still running? stop it (its container, or"
+        f" `kill {process['pid']}` on the node) before deploying"
+        for process in answer["gpu_processes"].get("processes", [])
+    ]
+
+
+def _node_problems(plan: Plan, node: NodePlan, answer: dict[str, Any]) -> list[str]:
     if "error" in answer["docker"]:
         return [f"docker does not answer ({answer['docker']['error']}): start dockerd there"]
     problems = []
@@ -150,23 +206,10 @@ def _node_problems(
             "no GPU visible (`nvidia-smi -L` lists none or is missing): check the driver, or set"
             ' [docker] gpus = "" in the inventory for a cluster without GPUs'
         )
-    if drop_page_cache and not answer["page_cache_dropped"]:
-        problems.append(
-            f"dropping the page cache failed ({answer.get('page_cache_error')}): the SSH user"
-            " needs root for /proc/sys/vm/drop_caches, or set [docker] drop_page_cache = false"
-        )
-    available = answer["mem_available_bytes"]
-    if available < min_memory_bytes:
-        problems.append(
-            f"only {available / GIB:.1f} GiB of memory available, {min_memory_bytes / GIB:.1f}"
-            " GiB needed: stop what uses it (or enable [docker] drop_page_cache)"
-        )
-    return problems
+    return problems + _gpu_process_problems(answer) + _memory_problems(plan, node, answer)
 
 
-def _probe_nodes(
-    plan: Plan, names: Sequence[str], *, drop_page_cache: bool
-) -> dict[str, dict[str, Any]]:
+def _probe_nodes(plan: Plan, names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """node_probe's preflight answer from each of `names`, all at once."""
     by_name = {node.node: node for node in plan.nodes}
     targets = plan_targets(plan)
@@ -181,7 +224,9 @@ def _probe_nodes(
             "gpus": bool(node.container.gpus),
             "fabric_ip": node.fabric_ip,
             "detect_rdma": node.roce_hcas == "auto" or node.gid_index == "auto",
-            "drop_page_cache": drop_page_cache,
+            "unified_memory": node.memory.unified,
+            "required_free_bytes": plan.memory.required_free_bytes(node.memory),
+            "drop_page_cache": plan.drop_page_cache,
             "stale_label": DEPLOYMENT_LABEL,
         }
         return probe(runner, name, "preflight", request)
@@ -189,30 +234,27 @@ def _probe_nodes(
     return on_nodes({name: targets[name] for name in names}, check)
 
 
-def _judge(
-    plan: Plan,
-    answers: Mapping[str, dict[str, Any]],
-    *,
-    drop_page_cache: bool,
-    min_memory_bytes: int,
-    log: Log,
-) -> dict[str, NodeCheck]:
+def _judge(plan: Plan, answers: Mapping[str, dict[str, Any]], *, log: Log) -> dict[str, NodeCheck]:
     """BootError listing every node's problems, else each node's facts (logged)."""
     by_name = {node.node: node for node in plan.nodes}
     problems = []
     checks = {}
     for name, answer in answers.items():
         node = by_name[name]
-        node_problems = _node_problems(node, answer, min_memory_bytes, drop_page_cache)
+        node_problems = _node_problems(plan, node, answer)
         problems += [f"node {name}: {problem}" for problem in node_problems]
         if node_problems:
             continue
         notes: list[str] = []
+        if not answer["gpu_processes"]["checked"]:
+            notes.append(f"GPU processes not checked: {answer['gpu_processes']['reason']}")
         checks[name] = NodeCheck(
             node=name,
             docker_version=answer["docker"]["version"],
             image_id=answer["image"]["id"],
-            mem_available_bytes=answer["mem_available_bytes"],
+            free_bytes=free_memory(node, answer),
+            required_free_bytes=plan.memory.required_free_bytes(node.memory),
+            page_cache_bytes=answer["memory"]["page_cache"],
             gpus=answer["gpus"],
             detected_env=_detected_env(node, answer.get("rdma"), notes),
             notes=notes,
@@ -233,9 +275,11 @@ def _judge(
         detected = ", ".join(f"{k}={v}" for k, v in node_check.detected_env.items()) or "none"
         log(
             f"node {name}: docker {node_check.docker_version}, image {node_check.image_id[:19]},"
-            f" {node_check.mem_available_bytes / GIB:.1f} GiB available"
+            f" {node_check.free_bytes / GIB:.1f} GiB free of the"
+            f" {node_check.required_free_bytes / GIB:.1f} GiB needed, page cache"
+            f" {node_check.page_cache_bytes / GIB:.1f} GiB"
+            + (" (dropped)" if node_check.page_cache_dropped else "")
             + (f", {node_check.gpus} GPUs" if node_check.gpus is not None else "")
-            + (", page cache dropped" if node_check.page_cache_dropped else "")
             + f"; detected {detected}"
         )
         for note in node_check.notes:
@@ -375,8 +419,6 @@ def boot(
     plan: Plan,
     *,
     held_by: Mapping[str, str | None] | None = None,
-    drop_page_cache: bool = False,
-    min_memory_bytes: int = DEFAULT_MIN_MEMORY_BYTES,
     log: Log = _LOG.info,
 ) -> BootResult:
     """Preflight with stale containers out, then the plan's containers started (module
@@ -386,19 +428,13 @@ def boot(
     `held_by` is what they say of each node (stop_stale).
     """
     names = [node.node for node in plan.nodes]
-    answers = _probe_nodes(plan, names, drop_page_cache=drop_page_cache)
+    answers = _probe_nodes(plan, names)
     stale_nodes = [name for name in names if answers[name]["stale_containers"]]
     stale: list[RemovedContainer] = []
     if stale_nodes:
         stale = stop_stale(plan, stale_nodes, held_by=held_by, log=log)
-        answers.update(_probe_nodes(plan, stale_nodes, drop_page_cache=drop_page_cache))
-    checks = _judge(
-        plan,
-        answers,
-        drop_page_cache=drop_page_cache,
-        min_memory_bytes=min_memory_bytes,
-        log=log,
-    )
+        answers.update(_probe_nodes(plan, stale_nodes))
+    checks = _judge(plan, answers, log=log)
     started_at = time.time()
     booted = start_containers(plan, checks, log=log)
     return BootResult(

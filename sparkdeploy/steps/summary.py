@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 from pydantic import BaseModel
 
+from sparkdeploy.model.memory import FitReport
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.steps.readiness_gate import TimelineEntry
 from sparkdeploy.steps.smoke_test import CANARIES
@@ -50,6 +51,7 @@ class DeploySummary(BaseModel):
     ready_after_s: float | None
     # The head's boot markers: seconds from the gate's start (the containers' start) to each.
     head_markers_s: dict[str, float] = {}
+    fit: FitReport | None = None  # None when the deploy skipped the fit check
 
     @classmethod
     def of(
@@ -82,6 +84,7 @@ class DeploySummary(BaseModel):
             head_markers_s={
                 entry.marker: entry.seconds for entry in timeline if entry.node == head
             },
+            fit=plan.fit,
         )
 
     def markdown(self) -> str:
@@ -107,6 +110,8 @@ class DeploySummary(BaseModel):
         if self.head_markers_s:
             lines += ["", "| head's boot marker | seconds |", "|---|---|"]
             lines += [f"| {name} | {sec:.1f} |" for name, sec in self.head_markers_s.items()]
+        if self.fit is not None:
+            lines += ["", self.fit.markdown()]
         lines += [
             "",
             "Try it:",
