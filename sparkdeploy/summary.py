@@ -50,6 +50,9 @@ class DeploySummary(BaseModel):
     ready_after_s: float | None
     # The head's boot markers: seconds from the gate's start (the containers' start) to each.
     head_markers_s: dict[str, float] = {}
+    # The figures the head's log gave (vllm_markers' named groups: weights_load_s,
+    # model_load_gib, kv_cache_gib, kv_cache_tokens, max_concurrency, init_engine_s, ...).
+    head_figures: dict[str, float] = {}
 
     @classmethod
     def of(
@@ -59,6 +62,7 @@ class DeploySummary(BaseModel):
         *,
         ready_after_s: float | None,
         timeline: Sequence[TimelineEntry] = (),
+        head_figures: dict[str, float] | None = None,
     ) -> DeploySummary:
         head = next(node.node for node in plan.nodes if node.role == "head")
         return cls(
@@ -82,6 +86,7 @@ class DeploySummary(BaseModel):
             head_markers_s={
                 entry.marker: entry.seconds for entry in timeline if entry.node == head
             },
+            head_figures=dict(head_figures or {}),
         )
 
     def markdown(self) -> str:
