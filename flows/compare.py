@@ -3,9 +3,9 @@ benchmarked and torn down, then side by side with a verdict per row (sparkdeploy
 
 Each side is a `compare-side` subflow run, linked from the comparison's artifact. On disjoint
 nodes the two run at once, each in its own thread with a copy of the flow's context (so each is
-a child run of the comparison); on shared nodes one after the other, the first torn down before
-the second deploys. A side that fails is reported with its cause and the other still runs; the
-comparison then fails, after its artifact is written.
+a child run of the comparison: docs/field.md, "Prefect's UI"); on shared nodes one after the
+other, the first torn down before the second deploys. A side that fails is reported with its
+cause and the other still runs; the comparison then fails, after its artifact is written.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Written out by hand (no plotting library): a few panels of a few points need none. The picture
 goes into a markdown artifact as `![...](data:image/svg+xml;base64,...)`: Prefect's UI shows an
-image from a data URI (docs/field.md, "Prefect on this machine kind").
+image from a data URI (docs/field.md, "Prefect's UI").
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ down before B deploys) or at once on disjoint nodes (`place_sides`). The result 
 every smoke check, every benchmark figure at every level, the boot's phases and the figures the
 head's log gave, each with B's difference from A and a verdict: better, worse, or same within
 noise. A figure of the benchmark is the median of its repeated runs; the noise it allows is the
-two sides' spreads (half the range of their runs) added, and never less than a floor
-(`NoiseRule`). A boot happens once per side, so its figures get a fixed tolerance instead, which
-the table states. A side that fails (deploy, boot, smoke, benchmark) is shown failed with its
+two sides' ranges (max − min of their runs) added, and never less than a floor (`NoiseRule`):
+three runs' half range underestimates how far a median moves from one minute to the next. A
+boot happens once per side, so its figures get a fixed tolerance instead, which the table
+states. A side that fails (deploy, boot, smoke, benchmark) is shown failed with its
 cause; the other side's figures are still there.
 """
 
@@ -216,7 +217,10 @@ def failure_cause(error: BaseException) -> str:
     """A failure named for the table: an engine failure's kind, node and cause, else the
     error's type and first line."""
     if isinstance(error, EngineFailure):
-        return f"{error.kind} on {error.node}: {error.cause}"
+        named = (
+            error.cause if error.cause.startswith(error.kind) else f"{error.kind}: {error.cause}"
+        )
+        return f"{named} (on {error.node})"
     first = (str(error).strip().splitlines() or [""])[0]
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
@@ -272,12 +276,13 @@ class NoiseRule:
         elif spec.name in ("errors", "engine_preemptions"):
             floor = self.count_floor
         scale = max(abs(a.value), abs(b.value))
-        return max(a.spread + b.spread, self.relative * scale, floor)
+        return max(2 * (a.spread + b.spread), self.relative * scale, floor)
 
     def text(self) -> str:
         return (
-            f"benchmark figures: median of the repeated runs; same when B − A is within both "
-            f"sides' spreads added, at least {self.relative:.0%} of the larger value (and "
+            f"benchmark figures: median of the repeated runs ± half their range; same when "
+            f"B − A is within both sides' ranges added, at least {self.relative:.0%} of the "
+            f"larger value (and "
             f"{1000 * self.latency_floor_s:g} ms for latencies, {self.count_floor:g} for "
             f"counts). Boot figures (one boot per side): same within "
             f"{self.single_relative:.0%} or {self.boot_floor_s:g} s; the log's memory and KV "
@@ -372,17 +377,17 @@ def _union(first: Mapping[str, float], second: Mapping[str, float]) -> list[str]
 
 
 def _boot_rows(a: SideOutcome, b: SideOutcome, noise: NoiseRule) -> list[Row]:
-    """The readiness timeline's phases and the head log's figures, from each deploy's summary."""
+    """The boot from the containers' start to ready and its phases (the head's markers on the
+    readiness timeline), and the head log's figures. The deploy's other steps (prefetch,
+    image, compose) measure the caches of the pipeline, not the recipe: not compared."""
     sa, sb = a.summary, b.summary
     ready = (sa.ready_after_s if sa else None, sb.ready_after_s if sb else None)
     rows = [_single_row("boot", "ready after (s)", ready, "lower", True, noise)]
-    for label, first, second in (
-        ("step {} (s)", sa.step_seconds if sa else {}, sb.step_seconds if sb else {}),
-        ("head: {} at (s)", sa.head_markers_s if sa else {}, sb.head_markers_s if sb else {}),
-    ):
-        for key in _union(first, second):
-            values = (first.get(key), second.get(key))
-            rows.append(_single_row("boot", label.format(key), values, "lower", True, noise))
+    markers_a = sa.head_markers_s if sa else {}
+    markers_b = sb.head_markers_s if sb else {}
+    for marker in _union(markers_a, markers_b):
+        values = (markers_a.get(marker), markers_b.get(marker))
+        rows.append(_single_row("boot", f"head: {marker} at (s)", values, "lower", True, noise))
     figures_a = sa.head_figures if sa else {}
     figures_b = sb.head_figures if sb else {}
     for name, (label, better, timing) in LOG_FIGURES.items():

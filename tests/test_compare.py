@@ -112,7 +112,7 @@ def test_overrides_a_recipe_cannot_take_are_named(tmp_path: Path) -> None:
         write_variant(recipe, tmp_path, drop_args=["--enforce-eager"], what="side B")
     with pytest.raises(CompareError, match="--tensor-parallel-size is set by the plan"):
         write_variant(recipe, tmp_path, args=["--tensor-parallel-size", "2"], what="side B")
-    with pytest.raises(CompareError, match="side A args\\[2\\]: stray value .b."):
+    with pytest.raises(CompareError, match=r"side A args\[2\]: stray value .b."):
         write_variant(recipe, tmp_path, args=["--dtype", "a", "b"], what="side A")
 
 
@@ -239,7 +239,7 @@ def test_a_failed_side_is_named_and_the_other_is_still_shown(
     output = comparison.row("c=4", "output tok/s")
     assert output.b == "—" and output.verdict == "—" and output.a != "—"
     markdown = comparison.markdown({"A": "http://ui/runs/flow-run/1"})
-    assert "FAILED at deploy: engine_core_init_failed on dgx1: RuntimeError: x" in markdown
+    assert "FAILED at deploy: engine_core_init_failed: RuntimeError: x (on dgx1)" in markdown
     assert "[side A](http://ui/runs/flow-run/1)" in markdown
     assert "data:image/svg+xml;base64," in markdown  # A's curves alone
     smoke_failed = SideOutcome("B", summary(10.0), smoke(garbled=True), failed_at="smoke")

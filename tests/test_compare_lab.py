@@ -35,6 +35,11 @@ SETTINGS = BenchmarkSettings(
     concurrency=[1, 4], input_tokens=64, output_tokens=32, requests_per_level=8, repeats=3
 )
 FAST, SLOW = "0.004", "0.02"  # seconds per streamed chunk
+# The lab's engines, clients and other labs share two cores: between one minute and the next a
+# side's TTFT drifts by up to half (seen: 12 -> 18 ms for the same recipe), more than its
+# repeats' spread shows (docs/field.md, "Measuring serving"). The known difference (5x the
+# delay) is far beyond this floor.
+LAB_NOISE_FLOOR = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +91,7 @@ def test_a_slower_side_is_worse_on_decode_rate_and_the_same_on_correctness(clust
         side_b=delay(SLOW),
         cluster=cluster,
         settings=SETTINGS,
+        noise_floor=LAB_NOISE_FLOOR,
         return_state=True,
     )
     comparison: Comparison = state.result()
@@ -113,14 +119,15 @@ def test_a_recipe_against_its_copy_is_the_same_everywhere(cluster: str, tmp_path
         cluster=cluster,
         placement="sequential",
         settings=SETTINGS,
+        noise_floor=LAB_NOISE_FLOOR,
     )
     assert not comparison.prepared.at_once
     assert comparison.prepared.a.nodes == comparison.prepared.b.nodes == ["node1"]
     assert comparison.prepared.diff.same
     judged = [row for row in comparison.rows if row.verdict != "—"]
+    print("\n".join(f"{r.group} | {r.figure} | {r.a} | {r.b} | {r.verdict}" for r in judged))
     assert judged and [row for row in judged if row.verdict != "same"] == []
     print_client_checks(comparison)
-    print("\n".join(f"{row.group} | {row.figure} | {row.a} | {row.b}" for row in judged))
     nothing_runs(cluster)
 
 

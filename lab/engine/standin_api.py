@@ -248,6 +248,9 @@ def generate(
 class StandinServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # uvicorn's listen backlog (its --backlog, default 2048), which vLLM's API server keeps;
+    # socketserver's 5 resets connections when a benchmark opens many at once.
+    request_queue_size = 2048
 
     def __init__(self, address: tuple[str, int]) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
