@@ -108,7 +108,11 @@ def deploy(
             teardown_deployment(plan.deployment_id, plan.cluster)
         raise
     summary = DeploySummary.of(
-        plan, clock.durations(), ready_after_s=gate.ready_after_s, timeline=gate.timeline
+        plan,
+        clock.durations(),
+        ready_after_s=gate.ready_after_s,
+        timeline=gate.timeline,
+        head_figures=gate.figures,
     )
     publish_summary(summary)
     return summary

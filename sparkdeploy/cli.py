@@ -1,4 +1,5 @@
-"""`sparkdeploy validate` and `sparkdeploy plan`: check files and show plans, touching no node.
+"""`sparkdeploy validate`, `plan` and `diff`: check files, show plans, compare recipes, touching
+no node.
 
 Imports stay light (no prefect, paramiko, docker or huggingface_hub) so validating every recipe
 takes well under a second after start-up.
@@ -15,14 +16,16 @@ import typer
 from sparkdeploy.errors import FitError, SparkDeployError
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.plan import NodePlan, Plan
-from sparkdeploy.model.project import load_plan
+from sparkdeploy.model.project import find_recipe, load_plan
 from sparkdeploy.model.recipe import load_recipe, recipe_paths
+from sparkdeploy.model.recipe_diff import diff_recipes
 from sparkdeploy.model.secrecy import MASK
 from sparkdeploy.steps.fit import fit_report
 from sparkdeploy.vllm.args import is_flag
 
 app = typer.Typer(
-    help="Validate recipes and cluster inventories; show what a deployment would run.",
+    help="Validate recipes and cluster inventories; show what a deployment would run; compare "
+    "two recipes.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -206,3 +209,22 @@ def plan(
         raise typer.Exit(1) from None
     result, fit_unchecked = _with_fit(result)
     typer.echo(result.model_dump_json(indent=2) if as_json else _plan_text(result, fit_unchecked))
+
+
+@app.command()
+def diff(
+    recipe_a: Annotated[str, typer.Argument(help="A recipe name under recipes/ or a path.")],
+    recipe_b: Annotated[str, typer.Argument(help="The recipe to compare it with.")],
+    root: RootOption = Path("."),
+) -> None:
+    """Print what differs between two recipes as the engine will see it: normalised flags,
+    env (secrets as ***), image, mounts. Exit 0 when nothing differs, 1 when something does,
+    2 when a recipe cannot be read."""
+    try:
+        recipes = [load_recipe(find_recipe(name, root)) for name in (recipe_a, recipe_b)]
+    except SparkDeployError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    result = diff_recipes(*recipes, a_name=recipe_a, b_name=recipe_b)
+    typer.echo(result.text())
+    raise typer.Exit(0 if result.same else 1)

@@ -127,3 +127,11 @@ class NodeLockError(SparkDeployError):
 
 class TeardownError(SparkDeployError):
     """A deployment's containers cannot be stopped or their logs cannot be saved."""
+
+
+class BenchmarkError(SparkDeployError):
+    """A benchmark cannot run: the endpoint does not answer, or its replies carry no usage."""
+
+
+class CompareError(SparkDeployError):
+    """A compare's sides are malformed: an override a recipe cannot take, nodes that clash."""

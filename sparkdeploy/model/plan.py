@@ -280,7 +280,7 @@ def _mounts(recipe: Recipe, cluster: Cluster, node: Node, composed_root: str | N
     return mounts
 
 
-def _serve_argv(recipe: Recipe) -> list[str]:
+def serve_argv(recipe: Recipe) -> list[str]:
     """`MODEL args...` with the parallel sizes and backend every node shares."""
     argv = [recipe.model, *recipe.vllm_args.without(API_KEY_FLAG).argv()]
     if recipe.model_revision is not None:
@@ -307,14 +307,14 @@ def _commands(
     head = selected[0]
     entrypoint = recipe.entrypoint or []
     if recipe.distributed_backend == "mp":
-        return entrypoint, [*_serve_argv(recipe), *_mp_flags(rank, len(selected), head)], None
+        return entrypoint, [*serve_argv(recipe), *_mp_flags(rank, len(selected), head)], None
     command = ["start", "--block"]
     if rank:
         command.append(f"--address={head.fabric_ip}:{RAY_PORT}")
     else:
         command += ["--head", "--port", str(RAY_PORT)]
     command += ["--node-ip-address", node.fabric_ip]
-    serve_exec = [*(entrypoint or ["vllm", "serve"]), *_serve_argv(recipe)] if rank == 0 else None
+    serve_exec = [*(entrypoint or ["vllm", "serve"]), *serve_argv(recipe)] if rank == 0 else None
     return ["ray"], command, serve_exec
 
 
