@@ -113,3 +113,20 @@ class NodeLockError(SparkDeployError):
 
 class TeardownError(SparkDeployError):
     """A deployment's containers cannot be stopped or their logs cannot be saved."""
+
+
+class RolledBack(SparkDeployError):
+    """A replacing deploy failed and what it replaced serves again (named in the message)."""
+
+
+class RepairLimitReached(SparkDeployError):
+    """An automated repair was refused: the deployment was repaired too often in the past hour,
+    so it is left for a person (the message names the earlier repairs)."""
+
+
+class ReplaceRefused(SparkDeployError):
+    """A deployment cannot be replaced: it could not be brought back if the new one failed."""
+
+
+class RollbackFailed(SparkDeployError):
+    """A replacing deploy failed and what it replaced could not be brought back either."""

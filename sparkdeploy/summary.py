@@ -50,6 +50,8 @@ class DeploySummary(BaseModel):
     ready_after_s: float | None
     # The head's boot markers: seconds from the gate's start (the containers' start) to each.
     head_markers_s: dict[str, float] = {}
+    # What the deploy found instead of deploying (ensure: the deployment already served).
+    note: str = ""
 
     @classmethod
     def of(
@@ -59,6 +61,7 @@ class DeploySummary(BaseModel):
         *,
         ready_after_s: float | None,
         timeline: Sequence[TimelineEntry] = (),
+        note: str = "",
     ) -> DeploySummary:
         head = next(node.node for node in plan.nodes if node.role == "head")
         return cls(
@@ -82,6 +85,7 @@ class DeploySummary(BaseModel):
             head_markers_s={
                 entry.marker: entry.seconds for entry in timeline if entry.node == head
             },
+            note=note,
         )
 
     def markdown(self) -> str:
@@ -90,6 +94,7 @@ class DeploySummary(BaseModel):
             "",
             f"Endpoint **{self.endpoint}**, served model `{self.served_model_name}`, "
             f"deployment `{self.deployment_id}`.",
+            *(["", self.note] if self.note else []),
             "",
             "| node | rank | role | container | host |",
             "|---|---|---|---|---|",
