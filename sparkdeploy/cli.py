@@ -1,7 +1,10 @@
-"""`sparkdeploy validate` and `sparkdeploy plan`: check files and show plans, touching no node.
+"""`sparkdeploy validate` and `sparkdeploy plan`: check files and show plans, touching no node;
+`sparkdeploy status`: what runs on a cluster; `sparkdeploy notify`: the unhealthy-deployment
+notification automation.
 
-Imports stay light (no prefect, paramiko, docker or huggingface_hub) so validating every recipe
-takes well under a second after start-up.
+Imports stay light (no prefect, paramiko, docker or huggingface_hub at module level) so
+validating every recipe takes well under a second after start-up; status and notify import
+what they need when they run.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from sparkdeploy.secrecy import MASK
 from sparkdeploy.vllm_args import is_flag
 
 app = typer.Typer(
-    help="Validate recipes and cluster inventories; show what a deployment would run.",
+    help="Validate recipes and cluster inventories; show what a deployment would run, what runs,"
+    " and who is told when a deployment fails.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -181,3 +185,57 @@ def plan(
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
     typer.echo(result.model_dump_json(indent=2) if as_json else _plan_text(result))
+
+
+@app.command()
+def status(
+    cluster: Annotated[
+        str, typer.Argument(help="An inventory name (clusters/NAME.toml, a lab's) or a path.")
+    ],
+) -> None:
+    """Each deployment of ours on the cluster: health, uptime, last smoke test and last event
+    (these two from the Prefect server PREFECT_API_URL names)."""
+    from datetime import UTC, datetime
+
+    from prefect import get_client
+
+    from sparkdeploy.history import read_history
+    from sparkdeploy.project import find_cluster
+    from sparkdeploy.status import cluster_status
+
+    try:
+        statuses = cluster_status(load_cluster(find_cluster(cluster)))
+    except SparkDeployError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    now = datetime.now(UTC)
+    with get_client(sync_client=True) as client:
+        history = read_history(client, [s.deployment_id for s in statuses], now)
+    for found in statuses:
+        typer.echo(found.line(now, history.get(found.deployment_id)))
+    if not statuses:
+        typer.echo(f"nothing of ours runs on cluster {cluster}")
+
+
+@app.command()
+def notify(
+    block: Annotated[
+        str,
+        typer.Argument(
+            help="The notification block, BLOCK_TYPE/BLOCK_NAME as `prefect block ls` lists it."
+        ),
+    ],
+) -> None:
+    """Create or update the automation that sends each unhealthy-deployment event of the
+    watchdog, with its cause, through the given notification block."""
+    from prefect import get_client
+
+    from sparkdeploy.automations import NOTIFY_AUTOMATION, apply_notify_automation
+
+    try:
+        with get_client(sync_client=True) as client:
+            automation_id = apply_notify_automation(client, block)
+    except SparkDeployError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"automation {NOTIFY_AUTOMATION!r} ({automation_id}) sends to {block}")
