@@ -6,7 +6,7 @@ hold of the nodes to the smoke test the steps run in one Prefect transaction
 steps that completed undo them, latest first (boot's removes the containers it started,
 hold-nodes' gives the nodes back), and a replacing deploy then brings back what it replaced.
 A killed process runs no hook: what it leaves is taken over by the next deploy
-(sparkdeploy.locks, sparkdeploy.replacement).
+(sparkdeploy.steps.hold_nodes, sparkdeploy.steps.replace).
 """
 
 from __future__ import annotations
@@ -18,31 +18,33 @@ from prefect import flow
 from prefect.exceptions import CancelledRun
 from prefect.transactions import transaction
 
-from sparkdeploy.ensure import RunningCopy
 from sparkdeploy.errors import RollbackFailed, RolledBack
-from sparkdeploy.gate import GateResult
-from sparkdeploy.locks import Replaced
-from sparkdeploy.plan import Plan
-from sparkdeploy.replacement import Replacement, rollback_message
-from sparkdeploy.summary import DeploySummary, StepClock
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.steps.hold_nodes import Replaced
+from sparkdeploy.steps.readiness_gate import GateResult
+from sparkdeploy.steps.replace import Replacement, rollback_message
+from sparkdeploy.steps.running_copy import RunningCopy
+from sparkdeploy.steps.summary import DeploySummary, StepClock
 from tasks.boot import KEEP_ON_FAILURE, boot_deployment
 from tasks.compose_model import compose_models_on_nodes
-from tasks.ensure import check_running_copy
-from tasks.gate import readiness_gate
+from tasks.fit import check_fit
 from tasks.hold_nodes import hold_nodes
-from tasks.images import ensure_images
+from tasks.image import ensure_images
 from tasks.plan import plan_deployment
 from tasks.prefetch import prefetch_repos
-from tasks.repair import start_repair
+from tasks.readiness_gate import readiness_gate
+from tasks.repair_budget import start_repair
 from tasks.replace import commit, find_replacement, retire_replaced
 from tasks.runlabels import label_flow_run
-from tasks.smoke import smoke_test
+from tasks.running_copy import check_running_copy
+from tasks.smoke_test import smoke_test
 from tasks.stage_engram import stage_engram_on_nodes
 from tasks.summary import publish_summary
 from tasks.teardown import tear_down_cancelled_run
 
-# Steps a deploy may skip, e.g. skip=["prefetch"] when the NAS is known to be complete.
-Step = Literal["prefetch", "stage", "image", "compose", "smoke"]
+# Steps a deploy may skip, e.g. skip=["prefetch"] when the NAS is known to be complete, or
+# skip=["fit"] for a model the fit check sizes wrongly (docs/field.md#memory-fit).
+Step = Literal["prefetch", "fit", "stage", "image", "compose", "smoke"]
 # Bringing back a replaced deployment: its nodes are this run's already (given back by the
 # rollback), so holding them again takes no wait.
 BRING_BACK_LOCK_TIMEOUT_S = 60.0
@@ -99,14 +101,14 @@ def _already_serving(plan: Plan, running: RunningCopy, clock: StepClock, how: st
 @flow(
     name="deploy",
     flow_run_name="deploy {recipe} on {cluster}",
-    description="Plan, prefetch, stage, image, compose, boot, readiness gate, smoke test.",
+    description="Plan, prefetch, fit, stage, image, compose, boot, readiness gate, smoke test.",
     log_prints=False,
     # Cancelled from the UI or `prefect flow-run cancel`: nothing of the run is left running.
     on_cancellation=[tear_down_cancelled_run],
 )
 def deploy(
     recipe: str,
-    cluster: str = "lab",
+    cluster: str,
     nodes: list[str] | None = None,
     skip: list[Step] | None = None,
     allow_blocked: bool = False,
@@ -119,10 +121,11 @@ def deploy(
 ) -> DeploySummary:
     """Deploy `recipe` on `cluster` (its first required_nodes nodes unless `nodes` names them).
 
-    The nodes are held for the deployment before anything is put on them; a node held by
-    another deployment is waited for up to lock_timeout_s. A failure from the boot on tears
-    the deployment down and lets its nodes go, unless keep_on_failure is set and the containers
-    started; an earlier failure lets go of the nodes this run took.
+    Once the NAS holds the model, the fit check refuses a recipe whose model, KV cache and
+    engine cannot fit a node's memory. The nodes are held for the deployment before anything is
+    put on them; a node held by another deployment is waited for up to lock_timeout_s. A failure
+    from the boot on tears the deployment down and lets its nodes go, unless keep_on_failure is
+    set and the containers started; an earlier failure lets go of the nodes this run took.
 
     replace: the deployments of ours on these nodes are replaced: they serve on while this one
     is prepared, and their containers are removed just before its boot; if it then fails its
@@ -151,29 +154,41 @@ def deploy(
             return _already_serving(plan, running, clock, "the smoke test passed")
         if repair_cause is not None:
             start_repair(plan, repair_cause, per_hour=repairs_per_hour)
-    # Submitted outside the transaction: only what touches the nodes is rolled back.
+    # Submitted outside the transaction: only what touches the nodes is rolled back. The fit
+    # check follows the prefetch (it reads the safetensors headers in the NAS), before anything
+    # is put on a node.
     prefetched = (
         None
         if "prefetch" in skipped
         else prefetch_repos.submit(plan.repos, plan.nas_hf_cache, plan.hub_endpoint)
+    )
+    fitted = (
+        None
+        if "fit" in skipped
+        else check_fit.submit(plan, return_state=False, wait_for=[prefetched] if prefetched else [])
     )
     retiring = False
     try:
         with transaction() as deploy_transaction:
             deploy_transaction.set(KEEP_ON_FAILURE, keep_on_failure)
             # The nodes are held (waiting for another deployment if need be) while the NAS
-            # fills; both are waited for before a failure of either rolls back, so that the
-            # rollback gives back what the hold took.
+            # fills and the fit is checked; all are waited for before a failure of one rolls
+            # back, so that the rollback gives back what the hold took.
             held = hold_nodes.submit(
                 plan, lock_timeout_s=lock_timeout_s, replacing=replacement.replacing
             )
             with clock.step("prefetch"):
                 if prefetched is not None:
                     prefetched.wait()
+            with clock.step("fit"):
+                if fitted is not None:
+                    fitted.wait()
             with clock.step("hold nodes"):
                 held.wait()
             if prefetched is not None:
                 prefetched.result()
+            if fitted is not None:
+                plan = fitted.result()
             held.result()
             if ensuring:
                 # Another deploy (a repair, say) may have redeployed it while this one waited.
@@ -207,7 +222,11 @@ def deploy(
         message = rollback_message(failure, plan, brought, lost)
         raise (RollbackFailed(message) if lost else RolledBack(message)) from failure
     summary = DeploySummary.of(
-        plan, clock.durations(), ready_after_s=gate.ready_after_s, timeline=gate.timeline
+        plan,
+        clock.durations(),
+        ready_after_s=gate.ready_after_s,
+        timeline=gate.timeline,
+        head_figures=gate.figures,
     )
     publish_summary(summary)
     return summary

@@ -5,13 +5,13 @@ from __future__ import annotations
 from prefect import flow
 from prefect.futures import wait
 
-from sparkdeploy.smoke import SmokeReport
-from tasks.smoke import smoke_test
+from sparkdeploy.steps.smoke_test import SmokeReport
+from tasks.smoke_test import smoke_test
 from tasks.watchdog import failure_of, report_health, running_plans
 
 
 @flow(name="smoke", flow_run_name="smoke watchdog on {cluster}")
-def smoke(cluster: str = "lab") -> list[SmokeReport]:
+def smoke(cluster: str) -> list[SmokeReport]:
     """Every running deployment smoke-tested, and its health a Prefect event
     (`sparkdeploy.deployment.healthy` / `.unhealthy` with the node and named cause) that
     automations act on; the run fails if any of them fails a check, with the node and cause

@@ -22,6 +22,8 @@ from sparkdeploy.errors import SparkDeployError
 
 WORK_POOL = "sparkdeploy"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# The lab's deployments: prefect.yaml at the root is the team's clusters'.
+LAB_PREFECT_FILE = Path(__file__).resolve().parent / "prefect.yaml"
 # A fresh SQLite database takes about 20 s to migrate on 2 cores (docs/field.md); allow for a
 # slow CI.
 SERVER_START_TIMEOUT_S = 180.0
@@ -158,15 +160,11 @@ def run_prefect(
 
 
 def register_deployments(env: Mapping[str, str], names: Sequence[str] = ()) -> None:
-    """The process work pool and the deployments in prefect.yaml (all, or those named),
+    """The process work pool and the lab's deployments (lab/prefect.yaml: all, or those named),
     (re)created."""
     run_prefect(env, "work-pool", "create", WORK_POOL, "--type", "process", "--overwrite")
-    if names:
-        run_prefect(
-            env, "deploy", *(arg for name in names for arg in ("--name", name)), "--no-prompt"
-        )
-    else:
-        run_prefect(env, "deploy", "--all", "--no-prompt")
+    selected = [arg for name in names for arg in ("--name", name)] or ["--all"]
+    run_prefect(env, "deploy", *selected, "--no-prompt", "--prefect-file", str(LAB_PREFECT_FILE))
 
 
 def register_interval(
@@ -188,7 +186,7 @@ def register_interval(
         *("--params", json.dumps(dict(parameters))),
         *("--concurrency-limit", "1", "--collision-strategy", "CANCEL_NEW"),
         *("--description", description),
-        "--no-prompt",
+        *("--no-prompt", "--prefect-file", str(LAB_PREFECT_FILE)),
     )
     flow_name = entrypoint.rpartition(":")[2]
     return f"{flow_name}/{name}"

@@ -1,5 +1,5 @@
 """Prefect task: the plan's containers started on nodes its deployment holds (logic in
-sparkdeploy.boot).
+sparkdeploy.steps.boot).
 
 In the deploy's transaction, its rollback hook removes what it started when a later step (the
 readiness gate, the smoke test) fails, logs kept, unless the deploy keeps a failure for
@@ -12,11 +12,11 @@ from prefect import task
 from prefect.logging import get_run_logger
 from prefect.transactions import Transaction, get_transaction
 
-from sparkdeploy.boot import DEFAULT_MIN_MEMORY_BYTES, BootResult, boot
-from sparkdeploy.locks import holders
-from sparkdeploy.plan import Plan
-from sparkdeploy.targets import plan_targets
-from sparkdeploy.teardown import teardown
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.steps.boot import BootResult, boot
+from sparkdeploy.steps.hold_nodes import holders
+from sparkdeploy.steps.teardown import teardown
 
 _PLAN = "plan"
 # Set by the deploy flow on its transaction: leave a failed deployment's containers for a look.
@@ -27,7 +27,7 @@ KEPT = "kept"
 
 
 @task(name="boot", task_run_name="boot {plan.deployment_id}")
-def boot_deployment(plan: Plan, *, min_memory_bytes: int = DEFAULT_MIN_MEMORY_BYTES) -> BootResult:
+def boot_deployment(plan: Plan) -> BootResult:
     """Preflight, stale containers out, the plan's containers started. The caller holds the
     nodes (tasks.hold_nodes); a failed boot leaves no container of the deployment behind."""
     logger = get_run_logger()
@@ -38,8 +38,6 @@ def boot_deployment(plan: Plan, *, min_memory_bytes: int = DEFAULT_MIN_MEMORY_BY
             held_by={
                 node: holder.deployment_id if holder else None for node, holder in held.items()
             },
-            drop_page_cache=plan.drop_page_cache,
-            min_memory_bytes=min_memory_bytes,
             log=logger.info,
         )
     except BaseException:

@@ -1,4 +1,5 @@
-"""What every task module shares: retry conditions and artifact keys (sparkdeploy.history)."""
+"""What every task module shares: retry conditions and artifact keys
+(sparkdeploy.report.history)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from prefect import Task
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
-from sparkdeploy.history import artifact_key
+from sparkdeploy.report.history import artifact_key
 
 __all__ = ["RetryCondition", "artifact_key", "retry_only"]
 

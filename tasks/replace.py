@@ -1,20 +1,21 @@
 """Prefect tasks of a replacing deploy: what it replaces, the replaced deployments' containers
 removed just before the new ones boot, and the replacement committed once the new deployment
-passed its smoke test (logic in sparkdeploy.replacement and sparkdeploy.locks)."""
+passed its smoke test (logic in sparkdeploy.steps.replace and sparkdeploy.steps.hold_nodes)."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.logging import get_run_logger
 
-from sparkdeploy.cluster import load_cluster
-from sparkdeploy.locks import acquire_nodes, commit_replacement, ended_runs, holders
-from sparkdeploy.plan import Plan
-from sparkdeploy.project import find_cluster
-from sparkdeploy.replacement import Replacement, plan_replacement
-from sparkdeploy.status import cluster_status
-from sparkdeploy.targets import cluster_targets
-from sparkdeploy.teardown import teardown
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.model.project import find_cluster
+from sparkdeploy.remote.node_identity import machine_ids
+from sparkdeploy.remote.targets import cluster_targets
+from sparkdeploy.steps.hold_nodes import acquire_nodes, commit_replacement, ended_runs, holders
+from sparkdeploy.steps.replace import Replacement, plan_replacement
+from sparkdeploy.steps.status import cluster_status
+from sparkdeploy.steps.teardown import teardown
 
 # How long a replaced deployment's other nodes may take to be recorded as this run's (they are
 # its own records, or free: no wait is expected).
@@ -52,7 +53,11 @@ def retire_replaced(plan: Plan, replacement: Replacement, cluster: str) -> list[
         others = [node for node in old.nodes if node not in planned]
         if others:
             acquire_nodes(
-                plan.cluster, others, old.deployment_id, timeout_s=ADOPT_TIMEOUT_S, log=logger.info
+                plan.cluster,
+                machine_ids({node: targets[node] for node in others}),
+                old.deployment_id,
+                timeout_s=ADOPT_TIMEOUT_S,
+                log=logger.info,
             )
     return retired
 

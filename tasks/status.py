@@ -1,5 +1,5 @@
 """Prefect task: what runs on a cluster, with what Prefect remembers of it (logic in
-sparkdeploy.status and sparkdeploy.history)."""
+sparkdeploy.steps.status and sparkdeploy.report.history)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from prefect import get_client, task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
-from sparkdeploy.cluster import load_cluster
-from sparkdeploy.history import read_history
-from sparkdeploy.project import find_cluster
-from sparkdeploy.status import DeploymentStatus, cluster_status
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.project import find_cluster
+from sparkdeploy.report.history import read_history
+from sparkdeploy.steps.status import DeploymentStatus, cluster_status
 from tasks.common import artifact_key
 
 

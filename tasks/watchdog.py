@@ -1,5 +1,6 @@
 """Prefect tasks of the smoke watchdog: what runs on a cluster, and each deployment's health as
-a Prefect event (logic in sparkdeploy.status, sparkdeploy.watchdog and sparkdeploy.events)."""
+a Prefect event (logic in sparkdeploy.steps.status, sparkdeploy.steps.watchdog and
+sparkdeploy.model.events)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,14 @@ from prefect.events import emit_event
 from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.events import Health, health_event
-from sparkdeploy.locks import ended_runs, holders
-from sparkdeploy.plan import Plan
-from sparkdeploy.project import find_cluster
-from sparkdeploy.readiness import head_of
-from sparkdeploy.status import cluster_status
-from sparkdeploy.watchdog import being_deployed, diagnose, node_states
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.events import Health, health_event
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.model.project import find_cluster
+from sparkdeploy.steps.hold_nodes import ended_runs, holders
+from sparkdeploy.steps.status import cluster_status
+from sparkdeploy.steps.watchdog import being_deployed, diagnose, node_states
 from tasks.common import artifact_key, retry_only
 
 
@@ -60,7 +60,7 @@ def failure_of(future: PrefectFuture[Any]) -> str | None:
     retry_condition_fn=retry_only(TransientRemoteError),
 )
 def report_health(plan: Plan, cluster: str, smoke_failure: str | None) -> Health:
-    """The deployment's health as a Prefect event (sparkdeploy.events): healthy when its smoke
+    """The deployment's health as a Prefect event (sparkdeploy.model.events): healthy when its smoke
     test passed; else the node and cause DeploymentDown names when the containers' states or
     the head's log show one (then raised), else the smoke test's own failure."""
     logger = get_run_logger()
@@ -73,7 +73,7 @@ def report_health(plan: Plan, cluster: str, smoke_failure: str | None) -> Health
             logger.info(
                 "%s: every container runs and the head's log has no fatal line", plan.recipe
             )
-            health = Health(False, head_of(plan).node, "smoke_failed", smoke_failure)
+            health = Health(False, plan.head.node, "smoke_failed", smoke_failure)
         else:
             create_markdown_artifact(
                 key=artifact_key("down", plan.deployment_id),

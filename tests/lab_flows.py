@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from uuid import UUID
 
-from sparkdeploy.cluster import load_cluster
-from sparkdeploy.locks import holders
-from sparkdeploy.status import cluster_status
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.steps.hold_nodes import holders
+from sparkdeploy.steps.status import cluster_status
 
 
 def nothing_runs(cluster: str) -> None:
@@ -74,7 +74,7 @@ def flow_process(worker_pid: int, flow_run_id: str) -> int | None:
 def answers_the_canary(endpoint: str) -> bool:
     """The lab's tiny-chat answers 127*43 right (with the short reasoning the lab recipes' smoke
     tests ask for: glm45's default thinking would use up the reply)."""
-    from sparkdeploy import engine_http
+    from sparkdeploy.remote import engine_http
 
     reply = engine_http.request(
         "POST",

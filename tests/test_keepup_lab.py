@@ -36,11 +36,11 @@ from lab.prefect_local import (
     start_worker,
     stop_worker,
 )
-from sparkdeploy.cluster import load_cluster
-from sparkdeploy.project import load_plan
-from sparkdeploy.ssh import cached_connection, close_cached
-from sparkdeploy.status import cluster_status
-from sparkdeploy.targets import node_target
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.project import load_plan
+from sparkdeploy.remote.ssh import cached_connection, close_cached
+from sparkdeploy.remote.targets import node_target
+from sparkdeploy.steps.status import cluster_status
 
 pytestmark = [pytest.mark.lab]
 
@@ -242,7 +242,7 @@ def test_the_watchdog_event_and_the_automation_recover_a_deployment_that_died(
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.client.orchestration import get_client
 
-    from sparkdeploy.automations import apply_notify_automation
+    from sparkdeploy.report.notify import apply_notify_automation
 
     env = server.env()
     webhook = Webhook()

@@ -27,12 +27,12 @@ from lab.cluster import Lab
 from lab.models import publish_lab_models
 from lab.prefect_local import PROJECT_ROOT, register_deployments, run_prefect, start_worker
 from lab.prefect_local import stop_worker as stop_prefect_worker
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import NodeLockError, RolledBack
-from sparkdeploy.locks import holders
-from sparkdeploy.project import load_plan
-from sparkdeploy.ssh import close_cached
-from sparkdeploy.status import cluster_status
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.project import load_plan
+from sparkdeploy.remote.ssh import close_cached
+from sparkdeploy.steps.hold_nodes import holders
+from sparkdeploy.steps.status import cluster_status
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 

@@ -369,6 +369,7 @@ class StandinEngine:
             block_size=args.block_size or 16,
             kv_cache_tokens=plan.tokens,
             token_delay_s=float(self.env.get("STANDIN_TOKEN_DELAY_S", "0.001")),
+            prefix_caching=args.enable_prefix_caching is not False,
         )
         faults = OutputFaults(
             token_loop=self.faults.has("token_loop"),
