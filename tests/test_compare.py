@@ -7,16 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.errors import BootFailed, CompareError
+from sparkdeploy.errors import BootError, BootFailed, CompareError
 from sparkdeploy.model.cluster import Cluster, load_cluster
 from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.model.recipe_variant import write_variant
 from sparkdeploy.steps.benchmark import (
+    FIGURE_BY_NAME,
     BenchmarkResult,
     LevelResult,
     LevelRun,
     PromptSize,
     RequestSample,
+    Spread,
 )
 from sparkdeploy.steps.compare import (
     CompareSide,
@@ -126,6 +128,31 @@ def test_verdicts_allow_for_the_spread_and_the_floor() -> None:
     assert judge(0.05, 0.1, "higher") == "same"
     assert judge(-0.5, 0.1, "higher") == "worse" and judge(-0.5, 0.1, "lower") == "better"
     assert judge(1.0, 0.1, None) == "—"
+
+
+def test_figures_are_compared_as_ratios_within_both_spreads() -> None:
+    noise = NoiseRule()
+    output = FIGURE_BY_NAME["output_tok_s"]
+    # one side's runs spread 2.7x on a busy host, the other's 8x lower: worse all the same
+    assert noise.verdict(output, Spread.of([677, 1245, 1813]), Spread.of([148, 152, 156]), 16) == (
+        "worse"
+    )
+    # a ratio inside both sides' spreads is the same, however large the spreads
+    assert noise.verdict(output, Spread.of([100, 150, 200]), Spread.of([130, 180, 190]), 16) == (
+        "same"
+    )
+    assert noise.verdict(output, Spread.of([100, 100, 100]), Spread.of([109, 109, 109]), 16) == (
+        "same"  # within the 10 % floor
+    )
+    errors = FIGURE_BY_NAME["errors"]
+    assert noise.verdict(errors, Spread.of([0, 0, 0]), Spread.of([0, 0, 0]), 16) == "same"
+    assert noise.verdict(errors, Spread.of([0, 0, 0]), Spread.of([2, 3, 2]), 16) == "worse"
+    ttft = FIGURE_BY_NAME["ttft_p50_s"]
+    assert noise.verdict(ttft, Spread.of([0.001] * 3), Spread.of([0.0025] * 3), 16) == "same"
+    p99 = FIGURE_BY_NAME["ttft_p99_s"]
+    # a p99 of 32 requests is their slowest: shown, not judged; of 400, judged
+    assert noise.verdict(p99, Spread.of([0.1] * 3), Spread.of([0.5] * 3), 32) == "—"
+    assert noise.verdict(p99, Spread.of([0.1] * 3), Spread.of([0.5] * 3), 400) == "worse"
 
 
 def sample(itl_s: float, ttft_s: float = 0.01, tokens: int = 16) -> RequestSample:
@@ -248,6 +275,10 @@ def test_a_failed_side_is_named_and_the_other_is_still_shown(
     assert "FAILED at deploy: engine_core_init_failed: RuntimeError: x (on dgx1)" in markdown
     assert "[side A](http://ui/runs/flow-run/1)" in markdown
     assert "data:image/svg+xml;base64," in markdown  # A's curves alone
+    preflight = BootError("deployment d: preflight failed:\nnode dgx1: 14 GiB free of 23 GiB")
+    assert failure_cause(preflight) == (
+        "BootError: deployment d: preflight failed: node dgx1: 14 GiB free of 23 GiB"
+    )
     smoke_failed = SideOutcome("B", summary(10.0), smoke(garbled=True), failed_at="smoke")
     assert (
         Comparison.of(prepared, a, smoke_failed, NoiseRule())

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 SINGLE = PROJECT_ROOT / "recipes" / "lab-single" / "recipe.toml"
 # Small enough for a few minutes on two cores, long enough for per-request decode rates.
 SETTINGS = BenchmarkSettings(
-    concurrency=[1, 4], input_tokens=64, output_tokens=32, requests_per_level=8, repeats=3
+    concurrency=[1, 4], input_tokens=64, output_tokens=32, requests_per_level=24, repeats=3
 )
 FAST, SLOW = "0.004", "0.02"  # seconds per streamed chunk
 # The lab's engines, clients and other labs share two cores: between one minute and the next a

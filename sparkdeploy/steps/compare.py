@@ -5,16 +5,16 @@ recipe: sparkdeploy.model.recipe_variant). The sides run one after the other on 
 down before B deploys) or at once on disjoint nodes (`place_sides`). The result is one table:
 every smoke check, every benchmark figure at every level, the boot's phases and the figures the
 head's log gave, each with B's difference from A and a verdict: better, worse, or same within
-noise. A figure of the benchmark is the median of its repeated runs; the noise it allows is the
-two sides' ranges (max − min of their runs) added, and never less than a floor (`NoiseRule`):
-three runs' half range underestimates how far a median moves from one minute to the next. A
-boot happens once per side, so its figures get a fixed tolerance instead, which the table
-states. A side that fails (deploy, boot, smoke, benchmark) is shown failed with its
-cause; the other side's figures are still there.
+noise. A figure of the benchmark is the median of its repeated runs; B/A counts when it is
+beyond both sides' spreads (half the range of their runs, as ratios) and beyond a floor
+(`NoiseRule.verdict`). A boot happens once per side, so its figures get a fixed tolerance
+instead, which the table states. A side that fails (deploy, boot, smoke, benchmark) is shown
+failed with its cause; the other side's figures are still there.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -213,16 +213,21 @@ def prepare(
 # What a side did
 
 
+CAUSE_MAX_CHARS = 400
+
+
 def failure_cause(error: BaseException) -> str:
     """A failure named for the table: an engine failure's kind, node and cause, else the
-    error's type and first line."""
+    error's type and message on one line (many say where on the first and what on the next)."""
     if isinstance(error, EngineFailure):
         named = (
             error.cause if error.cause.startswith(error.kind) else f"{error.kind}: {error.cause}"
         )
         return f"{named} (on {error.node})"
-    first = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+    text = " ".join(str(error).split())
+    if len(text) > CAUSE_MAX_CHARS:
+        text = text[: CAUSE_MAX_CHARS - 1] + "…"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 @dataclass(frozen=True)
@@ -255,11 +260,16 @@ def smoke_failure(report: SmokeReport) -> str:
 # Verdicts
 
 
+# A percentile over requests is judged only when at least this many requests of each run lie
+# beyond it: below, it is (nearly) the run's slowest request, which says little.
+TAIL_MIN_BEYOND = 2
+
+
 @dataclass(frozen=True)
 class NoiseRule:
     """How big a difference must be to count."""
 
-    # Benchmark figures: never less than this share of the larger value, nor than the floors.
+    # Benchmark figures: B/A beyond this share, and beyond both sides' spreads (as ratios).
     relative: float = 0.10
     latency_floor_s: float = 0.002  # timer and scheduling jitter of one request
     count_floor: float = 0.5  # errors, preemptions: a whole one differs
@@ -269,25 +279,45 @@ class NoiseRule:
     # Deterministic figures of the log (KV cache tokens, GiB): this share.
     exact_relative: float = 0.01
 
-    def band(self, spec: FigureSpec, a: Spread, b: Spread) -> float:
-        floor = 0.0
-        if spec.name.endswith("_s") and not spec.name.endswith("tok_s"):
-            floor = self.latency_floor_s
-        elif spec.name in ("errors", "engine_preemptions"):
-            floor = self.count_floor
-        scale = max(abs(a.value), abs(b.value))
-        return max(2 * (a.spread + b.spread), self.relative * scale, floor)
+    def verdict(self, spec: FigureSpec, a: Spread, b: Spread, requests_per_run: int) -> Verdict:
+        """B against A. Serving figures vary by factors (a busy host slows everything in
+        proportion), so they are compared as ratios: the same when B/A is within both sides'
+        spreads (half the range of their runs, as ratios: about two standard deviations of a
+        median of three) or within `relative`. Counts, which may be 0, are compared as
+        differences."""
+        if spec.better is None:
+            return "—"
+        if spec.request_quantile is not None:
+            beyond = requests_per_run * (1 - spec.request_quantile)
+            if beyond < TAIL_MIN_BEYOND:
+                return "—"
+        difference = b.value - a.value
+        floor = {"latency": self.latency_floor_s, "count": self.count_floor}.get(spec.kind, 0.0)
+        if abs(difference) <= floor:
+            return "same"
+        values = (*a.values, *b.values)
+        if spec.kind == "count" or min(values) <= 0:
+            band = max(a.spread + b.spread, self.relative * max(abs(a.value), abs(b.value)))
+            return judge(difference, band, spec.better)
+        band = max(_log_spread(a) + _log_spread(b), math.log1p(self.relative))
+        return judge(math.log(b.value / a.value), band, spec.better)
 
     def text(self) -> str:
         return (
             f"benchmark figures: median of the repeated runs ± half their range; same when "
-            f"B − A is within both sides' ranges added, at least {self.relative:.0%} of the "
-            f"larger value (and "
-            f"{1000 * self.latency_floor_s:g} ms for latencies, {self.count_floor:g} for "
-            f"counts). Boot figures (one boot per side): same within "
-            f"{self.single_relative:.0%} or {self.boot_floor_s:g} s; the log's memory and KV "
-            f"figures within {self.exact_relative:.0%}."
+            f"B/A is within both sides' spreads taken as ratios or within ±{self.relative:.0%} "
+            f"(a difference under {1000 * self.latency_floor_s:g} ms of latency or "
+            f"{self.count_floor:g} of a count is the same); a p90/p99 over fewer than "
+            f"{TAIL_MIN_BEYOND} requests per run beyond it is shown, not judged. Boot figures "
+            f"(one boot per side): same within {self.single_relative:.0%} or "
+            f"{self.boot_floor_s:g} s; the log's memory and KV figures within "
+            f"{self.exact_relative:.0%}."
         )
+
+
+def _log_spread(figure: Spread) -> float:
+    """Half the range of the runs as a ratio: ln(max/min) / 2."""
+    return (math.log(max(figure.values)) - math.log(min(figure.values))) / 2
 
 
 def judge(difference: float, band: float, better: Better | None) -> Verdict:
@@ -400,11 +430,16 @@ def _boot_rows(a: SideOutcome, b: SideOutcome, noise: NoiseRule) -> list[Row]:
 def _benchmark_rows(a: SideOutcome, b: SideOutcome, noise: NoiseRule) -> list[Row]:
     figures_a = a.benchmark.figures() if a.benchmark else {}
     figures_b = b.benchmark.figures() if b.benchmark else {}
+    requests: dict[int, int] = {}  # per level, the fewer of the two sides'
+    for side in (a, b):
+        for result in side.benchmark.levels if side.benchmark else ():
+            count = result.requests_per_run
+            requests[result.concurrency] = min(requests.get(result.concurrency, count), count)
     rows = []
     for level in sorted({*figures_a, *figures_b}):
         at_a, at_b = figures_a.get(level, {}), figures_b.get(level, {})
         for spec in FIGURES:
-            if spec.better is None:
+            if spec.kind == "info":
                 continue  # what happened (tokens, client CPU), not how well: in each run's table
             fa, fb = at_a.get(spec.name), at_b.get(spec.name)
             if fa is None and fb is None:
@@ -415,7 +450,7 @@ def _benchmark_rows(a: SideOutcome, b: SideOutcome, noise: NoiseRule) -> list[Ro
                 continue
             difference = fb.value - fa.value
             change = _difference_text(fa.value, fb.value, format_value(spec.name, abs(difference)))
-            verdict = judge(difference, noise.band(spec, fa, fb), spec.better)
+            verdict = noise.verdict(spec, fa, fb, requests[level])
             rows.append(Row(f"c={level}", spec.label, *shown, change, verdict))
     return rows
 
