@@ -9,17 +9,17 @@ from typing import Literal
 
 from prefect import flow
 
-from sparkdeploy.summary import DeploySummary, StepClock
+from sparkdeploy.steps.summary import DeploySummary, StepClock
 from tasks.boot import boot_deployment
 from tasks.compose_model import compose_models_on_nodes
 from tasks.fit import check_fit
-from tasks.gate import readiness_gate
 from tasks.hold_nodes import hold_nodes, let_go_of_nodes
-from tasks.images import ensure_images
+from tasks.image import ensure_images
 from tasks.plan import plan_deployment
 from tasks.prefetch import prefetch_repos
+from tasks.readiness_gate import readiness_gate
 from tasks.runlabels import label_flow_run
-from tasks.smoke import smoke_test
+from tasks.smoke_test import smoke_test
 from tasks.stage_engram import stage_engram_on_nodes
 from tasks.summary import publish_summary
 from tasks.teardown import tear_down_cancelled_run, teardown_deployment
@@ -39,7 +39,7 @@ Step = Literal["prefetch", "fit", "stage", "image", "compose", "smoke"]
 )
 def deploy(
     recipe: str,
-    cluster: str = "lab",
+    cluster: str,
     nodes: list[str] | None = None,
     skip: list[Step] | None = None,
     allow_blocked: bool = False,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from prefect import flow
 
-from sparkdeploy.smoke import SmokeReport
-from tasks.smoke import smoke_test
+from sparkdeploy.steps.smoke_test import SmokeReport
+from tasks.smoke_test import smoke_test
 from tasks.watchdog import diagnose_deployment, running_plans
 
 
 @flow(name="smoke", flow_run_name="smoke watchdog on {cluster}")
-def smoke(cluster: str = "lab") -> list[SmokeReport]:
+def smoke(cluster: str) -> list[SmokeReport]:
     """Every running deployment smoke-tested; the run fails if any of them fails a check, with
     the node and cause named when the nodes show one (a worker died, the head exited)."""
     plans = running_plans(cluster)

@@ -32,10 +32,10 @@ from lab.prefect_local import (
     start_worker,
 )
 from lab.vllm_runtime import prepare_real_engine
-from sparkdeploy import engine_http
 from sparkdeploy.errors import SparkDeployError
-from sparkdeploy.project import load_plan
-from sparkdeploy.smoke import CANARIES
+from sparkdeploy.model.project import load_plan
+from sparkdeploy.remote import engine_http
+from sparkdeploy.steps.smoke_test import CANARIES
 
 DEMO_RECIPE = "lab-dsv41-3x"
 REAL_DEMO_RECIPE = "real-lab-2x"

@@ -21,6 +21,8 @@ from sparkdeploy.errors import SparkDeployError
 
 WORK_POOL = "sparkdeploy"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# The lab's deployments: prefect.yaml at the root is the team's clusters'.
+LAB_PREFECT_FILE = Path(__file__).resolve().parent / "prefect.yaml"
 # A fresh SQLite database takes about 20 s to migrate on 2 cores (docs/field.md); allow for a
 # slow CI.
 SERVER_START_TIMEOUT_S = 180.0
@@ -157,9 +159,9 @@ def run_prefect(
 
 
 def register_deployments(env: Mapping[str, str]) -> None:
-    """The process work pool and every deployment in prefect.yaml, (re)created."""
+    """The process work pool and the lab's deployments (lab/prefect.yaml), (re)created."""
     run_prefect(env, "work-pool", "create", WORK_POOL, "--type", "process", "--overwrite")
-    run_prefect(env, "deploy", "--all", "--no-prompt")
+    run_prefect(env, "deploy", "--all", "--no-prompt", "--prefect-file", str(LAB_PREFECT_FILE))
 
 
 def start_worker(env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:

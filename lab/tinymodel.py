@@ -165,7 +165,7 @@ class EngramSpec:
     def config_keys(self) -> dict[str, Any]:
         """The engram_* keys of config.json, num_embeddings from the prime column rule."""
         # Host side only: the engine image carries this module without the sparkdeploy package.
-        from sparkdeploy.engram import prime_columns
+        from sparkdeploy.node.engram import prime_columns
 
         columns = prime_columns(
             len(self.layer_ids), self.max_ngram_size, self.vocab_size, self.n_heads

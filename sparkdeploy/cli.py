@@ -12,14 +12,14 @@ from typing import Annotated
 
 import typer
 
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import FitError, SparkDeployError
-from sparkdeploy.fit import fit_report
-from sparkdeploy.plan import NodePlan, Plan
-from sparkdeploy.project import load_plan
-from sparkdeploy.recipe import load_recipe, recipe_paths
-from sparkdeploy.secrecy import MASK
-from sparkdeploy.vllm_args import is_flag
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.plan import NodePlan, Plan
+from sparkdeploy.model.project import load_plan
+from sparkdeploy.model.recipe import load_recipe, recipe_paths
+from sparkdeploy.model.secrecy import MASK
+from sparkdeploy.steps.fit import fit_report
+from sparkdeploy.vllm.args import is_flag
 
 app = typer.Typer(
     help="Validate recipes and cluster inventories; show what a deployment would run.",

@@ -51,7 +51,12 @@ class PrefetchError(SparkDeployError):
 
 
 class TransientPrefetchError(PrefetchError):
-    """A hub failure worth retrying: connection refused/reset, timeout, 5xx."""
+    """A hub failure worth retrying: connection refused/reset, timeout, 5xx, 429.
+
+    retry_after_s: the wait the hub's Retry-After asked for, when it said.
+    """
+
+    retry_after_s: float | None = None
 
 
 class LabError(SparkDeployError):

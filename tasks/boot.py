@@ -1,16 +1,16 @@
 """Prefect task: the plan's containers started on nodes its deployment holds (logic in
-sparkdeploy.boot)."""
+sparkdeploy.steps.boot)."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.logging import get_run_logger
 
-from sparkdeploy.boot import BootResult, boot
-from sparkdeploy.locks import holders
-from sparkdeploy.plan import Plan
-from sparkdeploy.targets import plan_targets
-from sparkdeploy.teardown import teardown
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.steps.boot import BootResult, boot
+from sparkdeploy.steps.hold_nodes import holders
+from sparkdeploy.steps.teardown import teardown
 
 
 @task(name="boot")

@@ -1,4 +1,5 @@
-"""Prefect task: the fit check, before anything is put on a node (logic in sparkdeploy.fit)."""
+"""Prefect task: the fit check, before anything is put on a node (logic in
+sparkdeploy.steps.fit)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import DoesNotFit
-from sparkdeploy.fit import fit_report
-from sparkdeploy.plan import Plan
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.steps.fit import fit_report
 from tasks.common import artifact_key
 
 

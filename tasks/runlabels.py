@@ -7,7 +7,7 @@ from uuid import UUID
 from prefect import get_client
 from prefect.runtime import flow_run
 
-from sparkdeploy.plan import Plan
+from sparkdeploy.model.plan import Plan
 
 
 def run_tags(plan: Plan) -> list[str]:

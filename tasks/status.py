@@ -1,4 +1,4 @@
-"""Prefect task: what runs on a cluster (logic in sparkdeploy.status)."""
+"""Prefect task: what runs on a cluster (logic in sparkdeploy.steps.status)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
-from sparkdeploy.cluster import load_cluster
-from sparkdeploy.project import find_cluster
-from sparkdeploy.status import DeploymentStatus, cluster_status
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.project import find_cluster
+from sparkdeploy.steps.status import DeploymentStatus, cluster_status
 from tasks.common import artifact_key
 
 

@@ -1,5 +1,5 @@
 """Prefect task: a deployment's containers removed, logs kept, node locks released
-(logic in sparkdeploy.teardown and sparkdeploy.locks)."""
+(logic in sparkdeploy.steps.teardown and sparkdeploy.steps.hold_nodes)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.states import State
 from prefect.utilities.callables import get_parameter_defaults
 
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.locks import holders, release_nodes
-from sparkdeploy.project import find_cluster, load_plan
-from sparkdeploy.targets import cluster_targets, plan_targets
-from sparkdeploy.teardown import TeardownReport, teardown
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.project import find_cluster, load_plan
+from sparkdeploy.remote.targets import cluster_targets, plan_targets
+from sparkdeploy.steps.hold_nodes import holders, release_nodes
+from sparkdeploy.steps.teardown import TeardownReport, teardown
 from tasks.common import artifact_key, retry_only
 
 
@@ -71,7 +71,7 @@ def tear_down_cancelled_run(flow: Flow[Any, Any], flow_run: FlowRun, state: Stat
     (a container of this deployment on a free node is an orphan of this run), never a node
     another run holds (an earlier run of the same recipe may be serving there). A killed
     worker runs no hook: the run ends Crashed and the next deploy takes its nodes over
-    (sparkdeploy.locks).
+    (sparkdeploy.steps.hold_nodes).
     """
     logger = flow_run_logger(flow_run, flow)
     parameters = {**get_parameter_defaults(flow.fn), **flow_run.parameters}

@@ -6,12 +6,12 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
 
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.plan import Plan
-from sparkdeploy.project import find_cluster
-from sparkdeploy.status import cluster_status
-from sparkdeploy.watchdog import diagnose, node_states
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.model.project import find_cluster
+from sparkdeploy.steps.status import cluster_status
+from sparkdeploy.steps.watchdog import diagnose, node_states
 from tasks.common import artifact_key, retry_only
 
 

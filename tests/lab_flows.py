@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparkdeploy.cluster import load_cluster
-from sparkdeploy.locks import holders
-from sparkdeploy.status import cluster_status
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.steps.hold_nodes import holders
+from sparkdeploy.steps.status import cluster_status
 
 
 def nothing_runs(cluster: str) -> None:

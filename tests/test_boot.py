@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 
 from lab.cluster import Lab
-from sparkdeploy.boot import _judge, _node_problems, boot
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import BootError
-from sparkdeploy.node_probe import detect_roce, ipv4_of_gid
-from sparkdeploy.plan import Plan, make_plan
-from sparkdeploy.recipe import Recipe
-from sparkdeploy.ssh import cached_connection
-from sparkdeploy.targets import plan_targets
-from sparkdeploy.teardown import teardown
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.plan import Plan, make_plan
+from sparkdeploy.model.recipe import Recipe
+from sparkdeploy.node.probe import detect_roce, ipv4_of_gid
+from sparkdeploy.remote.ssh import cached_connection
+from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.steps.boot import _judge, _node_problems, boot
+from sparkdeploy.steps.teardown import teardown
 
 GIB = 1024**3
 
@@ -221,7 +221,7 @@ def _wait_for_log(lab: Lab, node: str, container: str, timeout_s: float = 60) ->
 @pytest.mark.lab
 def test_boot_then_teardown_removes_exactly_ours(lab_cluster: Lab, lab_engine_image: str) -> None:
     plan = _lab_plan(lab_cluster, lab_engine_image)
-    from sparkdeploy.images import ensure_image
+    from sparkdeploy.steps.image import ensure_image
 
     ensure_image(plan_targets(plan), lab_engine_image)
     foreign = cached_connection(lab_cluster.ssh_target("node2"))

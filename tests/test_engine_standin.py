@@ -33,8 +33,8 @@ from lab.engine.standin_log import EngineFatal
 from lab.engine.standin_net import check_node_network, nccl_interfaces_matching
 from lab.engine.vllm_standin import StandinEngine
 from lab.tinymodel import EngramSpec, GeneratedRepo, generate_repo
-from sparkdeploy import engram
-from sparkdeploy.vllm_markers import (
+from sparkdeploy.node import engram
+from sparkdeploy.vllm.markers import (
     DEFAULT_BOOT_MARKERS,
     DEFAULT_FAILURE_MARKERS,
     HEADLESS_WORKER_JOINED,
@@ -402,8 +402,8 @@ def test_runs_from_a_flat_copy_as_in_the_image(engines: Engines, tmp_path: Path)
     flat.mkdir()
     for source in [
         *(REPO_ROOT / "lab" / "engine").glob("*.py"),
-        REPO_ROOT / "sparkdeploy" / "engram.py",
-        REPO_ROOT / "sparkdeploy" / "kv_cache.py",
+        REPO_ROOT / "sparkdeploy" / "node" / "engram.py",
+        REPO_ROOT / "sparkdeploy" / "vllm" / "kv_cache.py",
         REPO_ROOT / "lab" / "tinymodel.py",
     ]:
         shutil.copy(source, flat / source.name)
@@ -834,7 +834,7 @@ def test_unknown_fault_switch_is_refused() -> None:
 
 def test_repeats_a_sentence_word_for_word() -> None:
     from lab.engine.standin_answers import answer
-    from sparkdeploy.smoke import COPY_PROMPT, COPY_SENTENCE
+    from sparkdeploy.steps.smoke_test import COPY_PROMPT, COPY_SENTENCE
 
     assert answer(COPY_PROMPT) == COPY_SENTENCE
 
@@ -845,9 +845,9 @@ def test_an_api_key_guards_v1_as_vllm_does_and_the_probes_send_it(
 ) -> None:
     from pydantic import SecretStr
 
-    from sparkdeploy.gate import probe_completion, probe_endpoint
-    from sparkdeploy.smoke import SmokeSettings, chat_stream
-    from sparkdeploy.smoke import chat as smoke_chat
+    from sparkdeploy.steps.readiness_gate import probe_completion, probe_endpoint
+    from sparkdeploy.steps.smoke_test import SmokeSettings, chat_stream
+    from sparkdeploy.steps.smoke_test import chat as smoke_chat
 
     key = "k-" + where
     flags = ["--served-model-name", "tiny", "--max-model-len", "2048"]

@@ -1,5 +1,6 @@
-"""The fit check (sparkdeploy.fit, sparkdeploy.memory, sparkdeploy.kv_cache) without a lab: its
-estimate against what real vLLM 0.32 logged for the lab's model, its refusals and warnings."""
+"""The fit check (sparkdeploy.steps.fit, sparkdeploy.model.memory, sparkdeploy.vllm.kv_cache)
+without a lab: its estimate against what real vLLM 0.32 logged for the lab's model, its refusals and
+warnings."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from lab.tinymodel import EngramSpec, generate_repo
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import FitError, RecipeError
-from sparkdeploy.fit import estimate, fit_report, pp_layer_ranges, read_model
-from sparkdeploy.kv_cache import FP8_DS_MLA_TOKEN_BYTES, KvGeometry
-from sparkdeploy.memory import human_readable_int, read_memory_flags
-from sparkdeploy.plan import Plan, make_plan
-from sparkdeploy.recipe import Recipe, load_recipe
-from sparkdeploy.vllm_args import normalise_args
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.memory import human_readable_int, read_memory_flags
+from sparkdeploy.model.plan import Plan, make_plan
+from sparkdeploy.model.recipe import Recipe, load_recipe
+from sparkdeploy.steps.fit import estimate, fit_report, pp_layer_ranges, read_model
+from sparkdeploy.vllm.args import normalise_args
+from sparkdeploy.vllm.kv_cache import FP8_DS_MLA_TOKEN_BYTES, KvGeometry
 
 GIB = 1 << 30
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu"

@@ -15,9 +15,9 @@ from lab.cluster import LAB_NODE_MEMORY_GIB, Lab
 from lab.models import publish_lab_models
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import BootError, DoesNotFit
-from sparkdeploy.project import load_plan
-from sparkdeploy.ssh import cached_connection, close_cached
-from sparkdeploy.targets import node_target
+from sparkdeploy.model.project import load_plan
+from sparkdeploy.remote.ssh import cached_connection, close_cached
+from sparkdeploy.remote.targets import node_target
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 

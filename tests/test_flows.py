@@ -23,14 +23,14 @@ from lab.cluster import Lab
 from lab.models import publish_lab_models
 from lab.prefect_local import PROJECT_ROOT, register_deployments, run_prefect, start_worker
 from lab.prefect_local import stop_worker as stop_prefect_worker
-from sparkdeploy import engine_http
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import BootFailed, NodeLockError, RecipeBlocked, SmokeFailed
-from sparkdeploy.locks import holders
-from sparkdeploy.project import load_plan
-from sparkdeploy.ssh import cached_connection, close_cached
-from sparkdeploy.status import cluster_status
-from sparkdeploy.targets import node_target
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.project import load_plan
+from sparkdeploy.remote import engine_http
+from sparkdeploy.remote.ssh import cached_connection, close_cached
+from sparkdeploy.remote.targets import node_target
+from sparkdeploy.steps.hold_nodes import holders
+from sparkdeploy.steps.status import cluster_status
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 

@@ -23,9 +23,15 @@ from hfcache_layout import cache_repo
 
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import BootFailed
-from sparkdeploy.gate import ExitStatus, GateEvent, GateResult, ReadinessGate, follow_lines
-from sparkdeploy.smoke import SmokeReport, SmokeSettings, run_smoke
-from sparkdeploy.vllm_markers import DEFAULT_FAILURE_MARKERS, Marker
+from sparkdeploy.steps.readiness_gate import (
+    ExitStatus,
+    GateEvent,
+    GateResult,
+    ReadinessGate,
+    follow_lines,
+)
+from sparkdeploy.steps.smoke_test import SmokeReport, SmokeSettings, run_smoke
+from sparkdeploy.vllm.markers import DEFAULT_FAILURE_MARKERS, Marker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STANDIN = REPO_ROOT / "lab" / "engine" / "vllm_standin.py"

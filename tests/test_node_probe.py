@@ -1,4 +1,4 @@
-"""sparkdeploy.node_probe: which docker it asks and how, and that both ways answer alike."""
+"""sparkdeploy.node.probe: which docker it asks and how, and that both ways answer alike."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from lab.cluster import Lab
-from sparkdeploy import node_probe
-from sparkdeploy.docker_remote import DEPLOYMENT_LABEL, probe_script
-from sparkdeploy.node_probe import (
+from sparkdeploy.node import probe as node_probe
+from sparkdeploy.node.probe import (
     DEFAULT_DOCKER_SOCKET,
     EngineApi,
     check_memory,
@@ -22,8 +21,9 @@ from sparkdeploy.node_probe import (
     parse_compute_apps,
     quote,
 )
-from sparkdeploy.node_script import last_json_line, python_argv
-from sparkdeploy.ssh import cached_connection
+from sparkdeploy.remote.docker_cli import DEPLOYMENT_LABEL, probe_script
+from sparkdeploy.remote.node_script import last_json_line, python_argv
+from sparkdeploy.remote.ssh import cached_connection
 
 
 def test_the_socket_is_the_one_the_docker_cli_would_use(tmp_path: Path) -> None:

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.cluster import Cluster, load_cluster
 from sparkdeploy.errors import PlanError
-from sparkdeploy.plan import MASTER_PORT, Plan, make_plan
-from sparkdeploy.recipe import Recipe, load_recipe
-from sparkdeploy.vllm_markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
+from sparkdeploy.model.cluster import Cluster, load_cluster
+from sparkdeploy.model.plan import MASTER_PORT, Plan, make_plan
+from sparkdeploy.model.recipe import Recipe, load_recipe
+from sparkdeploy.vllm.markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
 
 ROOT = Path(__file__).parent.parent
 DSV41 = ROOT / "recipes" / "dsv41-flash-eugr-0913-4x" / "recipe.toml"

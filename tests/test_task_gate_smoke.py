@@ -18,12 +18,12 @@ from readiness_lab import Deployment, lab_plan
 
 from lab.cluster import Lab
 from sparkdeploy.errors import BootFailed, SmokeFailed
-from sparkdeploy.gate import GateResult
-from sparkdeploy.plan import Plan
-from sparkdeploy.smoke import SmokeReport
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.steps.readiness_gate import GateResult
+from sparkdeploy.steps.smoke_test import SmokeReport
 from tasks.common import artifact_key
-from tasks.gate import readiness_gate
-from tasks.smoke import smoke_settings, smoke_test
+from tasks.readiness_gate import readiness_gate
+from tasks.smoke_test import smoke_settings, smoke_test
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 

@@ -19,7 +19,8 @@ except ImportError:  # copied flat into the engine image
     from standin_log import EngineFatal  # type: ignore[no-redef]
 
 try:
-    from sparkdeploy import engram, kv_cache
+    from sparkdeploy.node import engram
+    from sparkdeploy.vllm import kv_cache
 except ImportError:
     import engram  # type: ignore[no-redef]
     import kv_cache  # type: ignore[no-redef]
@@ -288,7 +289,7 @@ class KvCachePlan:
 
 
 def kv_bytes_per_token(model: LoadedModel, tp: int, kv_cache_dtype: str | None) -> int:
-    """One token's KV cache on one rank, by vLLM's page-size rule (sparkdeploy.kv_cache)."""
+    """One token's KV cache on one rank, by vLLM's page-size rule (sparkdeploy.vllm.kv_cache)."""
     try:
         geometry = kv_cache.KvGeometry.from_config(model.config)
         element = kv_cache.model_dtype_bytes(model.config)
