@@ -258,6 +258,13 @@ def test_smoke_passes_on_a_good_engine(engines: Engines) -> None:
     assert report.passed, report.table_rows()
     streaming = report.check("streaming").figures
     assert streaming["ttft_s"] > 0 and streaming["decode_tok_s"] > 0
+    # the engine's /metrics beside our count of the same requests
+    engine = {figure.name: figure for figure in report.engine}
+    for name in ("prompt_tokens", "generation_tokens", "requests_finished"):
+        assert engine[name].engine == engine[name].ours, engine[name]
+    assert engine["prefix_cache_hit_rate"].engine > 0  # the burst repeats the canaries
+    assert engine["preemptions"].engine == 0
+    assert any(row["check"] == "engine /metrics: ttft_mean_s" for row in report.table_rows())
 
 
 @pytest.mark.parametrize(

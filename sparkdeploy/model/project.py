@@ -18,6 +18,7 @@ from sparkdeploy.model.recipe import load_recipe, recipe_paths
 
 ROOT_ENV = "SPARKDEPLOY_ROOT"
 LAB_ROOT_ENV = "SPARKDEPLOY_LAB_ROOT"
+VARIANTS_DIR_ENV = "SPARKDEPLOY_VARIANTS_DIR"
 # Where labs keep their state, NAS and inventory. Not under /tmp, /var, /run or /etc: a lab
 # node mounts its own over those, which would hide the lab's files from it.
 DEFAULT_LAB_ROOT = Path("/srv/sparkdeploy-lab")
@@ -31,6 +32,13 @@ def project_root() -> Path:
 
 def lab_root() -> Path:
     return Path(os.environ.get(LAB_ROOT_ENV) or DEFAULT_LAB_ROOT)
+
+
+def variants_dir() -> Path:
+    """Where the compare flow writes recipe variants (sparkdeploy.model.recipe_variant) on the flow
+    host: SPARKDEPLOY_VARIANTS_DIR, else ~/.cache/sparkdeploy/variants."""
+    configured = os.environ.get(VARIANTS_DIR_ENV)
+    return Path(configured) if configured else Path.home() / ".cache" / "sparkdeploy" / "variants"
 
 
 def _is_path(value: str) -> bool:

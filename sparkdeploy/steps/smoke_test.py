@@ -28,6 +28,8 @@ from pydantic import SecretStr
 
 from sparkdeploy.errors import SmokeFailed
 from sparkdeploy.remote import engine_http
+from sparkdeploy.vllm import metrics as engine_metrics
+from sparkdeploy.vllm.metrics import EngineFigure
 
 # ---------------------------------------------------------------------------------------------
 # Detectors (pure)
@@ -362,6 +364,9 @@ class StreamedReply:
     ttft_s: float | None
     decode_tok_s: float | None
     chunks: int
+    # Seconds from the request to each chunk that carried content or reasoning: the gaps are
+    # the inter-token latencies, as `vllm bench serve` counts them (one chunk per engine step).
+    token_times_s: tuple[float, ...] = ()
 
 
 def chat_stream(settings: SmokeSettings, label: str, prompt: str) -> StreamedReply:
@@ -371,8 +376,7 @@ def chat_stream(settings: SmokeSettings, label: str, prompt: str) -> StreamedRep
     started = time.monotonic()
     content: list[str] = []
     reasoning: list[str] = []
-    first_token: float | None = None
-    last_token: float | None = None
+    token_times: list[float] = []
     usage: dict[str, Any] = {}
     finish_reason = None
     chunks = 0
@@ -387,8 +391,7 @@ def chat_stream(settings: SmokeSettings, label: str, prompt: str) -> StreamedRep
                 delta = choice.get("delta") or {}
                 piece, thought = str(delta.get("content") or ""), _reasoning_of(delta)
                 if piece or thought:
-                    first_token = arrived if first_token is None else first_token
-                    last_token = arrived
+                    token_times.append(arrived - started)
                 content.append(piece)
                 reasoning.append(thought)
                 finish_reason = choice.get("finish_reason") or finish_reason
@@ -403,18 +406,12 @@ def chat_stream(settings: SmokeSettings, label: str, prompt: str) -> StreamedRep
         usage=usage,
         seconds=time.monotonic() - started,
     )
-    ttft = None if first_token is None else first_token - started
+    ttft = token_times[0] if token_times else None
     decode = None
     tokens = usage.get("completion_tokens")
-    if (
-        isinstance(tokens, int)
-        and tokens > 1
-        and first_token is not None
-        and last_token is not None
-        and last_token > first_token
-    ):
-        decode = (tokens - 1) / (last_token - first_token)
-    return StreamedReply(reply, ttft, decode, chunks)
+    if isinstance(tokens, int) and tokens > 1 and token_times and token_times[-1] > token_times[0]:
+        decode = (tokens - 1) / (token_times[-1] - token_times[0])
+    return StreamedReply(reply, ttft, decode, chunks, tuple(token_times))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,6 +431,10 @@ class SmokeReport:
     base_url: str
     served_model_name: str
     checks: list[SmokeCheck]
+    # What the engine's /metrics says the smoke requests did, beside our own count (informative:
+    # another client's requests in the meantime count too).
+    engine: list[EngineFigure] = field(default_factory=list)
+    engine_error: str | None = None  # why there are no engine figures
 
     @property
     def passed(self) -> bool:
@@ -447,8 +448,8 @@ class SmokeReport:
         return next(check for check in self.checks if check.name == name)
 
     def table_rows(self) -> list[dict[str, str]]:
-        """Rows for a Prefect table artifact."""
-        return [
+        """Rows for a Prefect table artifact: the checks, then the engine's own figures."""
+        rows = [
             {
                 "check": check.name,
                 "result": "pass" if check.passed else "FAIL",
@@ -457,6 +458,14 @@ class SmokeReport:
             }
             for check in self.checks
         ]
+        engine = [(f"engine /metrics: {figure.name}", figure.text()) for figure in self.engine]
+        if self.engine_error:
+            engine.append(("engine /metrics", self.engine_error))
+        rows += [
+            {"check": name, "result": "info", "evidence": evidence, "figures": ""}
+            for name, evidence in engine
+        ]
+        return rows
 
     def raise_if_failed(self) -> None:
         if self.passed:
@@ -653,10 +662,28 @@ def _empty_in(reply: Reply) -> str | None:
     return _reply_problem(reply)
 
 
+def _our_counts(replies: Sequence[Reply], streamed: StreamedReply) -> dict[str, float]:
+    """What our replies say the engine did, named as EngineMetrics.figures() names it."""
+    answered = [reply for reply in replies if reply.error is None]
+
+    def usage_sum(key: str) -> float:
+        return float(sum(int(reply.usage.get(key) or 0) for reply in answered))
+
+    ours = {
+        "prompt_tokens": usage_sum("prompt_tokens"),
+        "generation_tokens": usage_sum("completion_tokens"),
+        "requests_finished": float(len(answered)),
+    }
+    if streamed.ttft_s is not None:
+        ours["ttft_mean_s"] = round(streamed.ttft_s, 4)
+    return ours
+
+
 def run_smoke(settings: SmokeSettings) -> SmokeReport:
     """Every check against the endpoint; never raises for a bad engine (see raise_if_failed)."""
     checks: list[SmokeCheck] = []
     replies: list[Reply] = []
+    before = engine_metrics.scrape(settings.base_url)
 
     canary_replies = [chat(settings, canary.name, canary.prompt) for canary in CANARIES]
     checks += [_canary_check(c, r) for c, r in zip(CANARIES, canary_replies, strict=True)]
@@ -690,4 +717,18 @@ def run_smoke(settings: SmokeSettings) -> SmokeReport:
     checks.append(_detector_check("no_token_loops", replies, _loop_in))
     checks.append(_detector_check("no_garbled_text", replies, _garbled_in))
     checks.append(_detector_check("no_empty_content", replies, _empty_in))
-    return SmokeReport(settings.base_url, settings.served_model_name, checks)
+    after = engine_metrics.scrape(settings.base_url)
+    if before.metrics is None or after.metrics is None:
+        return SmokeReport(
+            settings.base_url,
+            settings.served_model_name,
+            checks,
+            engine_error=before.error or after.error,
+        )
+    activity = after.metrics.minus(before.metrics)
+    return SmokeReport(
+        settings.base_url,
+        settings.served_model_name,
+        checks,
+        engine=engine_metrics.beside_ours(activity, _our_counts(replies, streamed)),
+    )

@@ -52,6 +52,11 @@ class DeploySummary(BaseModel):
     # The head's boot markers: seconds from the gate's start (the containers' start) to each.
     head_markers_s: dict[str, float] = {}
     fit: FitReport | None = None  # None when the deploy skipped the fit check
+    # The figures the head's log gave (vllm_markers' named groups: weights_load_s,
+    # model_load_gib, kv_cache_gib, kv_cache_tokens, max_concurrency, init_engine_s, ...).
+    head_figures: dict[str, float] = {}
+    # What the deploy found instead of deploying (ensure: the deployment already served).
+    note: str = ""
 
     @classmethod
     def of(
@@ -61,6 +66,8 @@ class DeploySummary(BaseModel):
         *,
         ready_after_s: float | None,
         timeline: Sequence[TimelineEntry] = (),
+        head_figures: dict[str, float] | None = None,
+        note: str = "",
     ) -> DeploySummary:
         head = plan.head.node
         return cls(
@@ -85,6 +92,8 @@ class DeploySummary(BaseModel):
                 entry.marker: entry.seconds for entry in timeline if entry.node == head
             },
             fit=plan.fit,
+            head_figures=dict(head_figures or {}),
+            note=note,
         )
 
     def markdown(self) -> str:
@@ -93,6 +102,7 @@ class DeploySummary(BaseModel):
             "",
             f"Endpoint **{self.endpoint}**, served model `{self.served_model_name}`, "
             f"deployment `{self.deployment_id}`.",
+            *(["", self.note] if self.note else []),
             "",
             "| node | rank | role | container | host |",
             "|---|---|---|---|---|",

@@ -183,3 +183,18 @@ def normalise_args(
     if problems:
         raise RecipeError("\n".join(problems))
     return parsed
+
+
+def argv_flag_value(argv: Sequence[str], name: str) -> str | None:
+    """The value of flag `name` in a command line (`--flag value` or `--flag=value`, any
+    spelling vLLM accepts), or None when it is absent or has no value."""
+    wanted = canonical_flag(name)
+    for index, token in enumerate(argv):
+        flag, has_equals, inline = token.partition("=")
+        if not is_flag(flag) or canonical_flag(flag) != wanted:
+            continue
+        if has_equals:
+            return inline
+        following = argv[index + 1] if index + 1 < len(argv) else None
+        return following if following is not None and not is_flag(following) else None
+    return None
