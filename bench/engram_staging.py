@@ -44,7 +44,8 @@ from hfcache_layout import cache_repo  # noqa: E402
 from local_node import LocalPython  # noqa: E402
 
 from lab.tinymodel import EngramSpec, generate_repo, parse_size  # noqa: E402
-from sparkdeploy import engram, staging  # noqa: E402
+from sparkdeploy.node import engram  # noqa: E402
+from sparkdeploy.steps import stage_engram as staging  # noqa: E402
 
 REPO = "bench-org/EngramBench"
 TP = 3

@@ -24,8 +24,8 @@ from bench.cpu import CpuUsage, cpu_bound_ratio, measured  # noqa: E402
 from lab.cluster import Lab  # noqa: E402
 from lab.image import build_engine_image  # noqa: E402
 from lab.layout import FABRIC_NETDEV  # noqa: E402
-from sparkdeploy.images import ensure_image  # noqa: E402
-from sparkdeploy.ssh import SshTarget, cached_connection, close_cached  # noqa: E402
+from sparkdeploy.remote.ssh import SshTarget, cached_connection, close_cached  # noqa: E402
+from sparkdeploy.steps.image import ensure_image  # noqa: E402
 
 BENCH_LAB = "bench-images"
 

@@ -1,7 +1,9 @@
-"""Benchmark of sparkdeploy.prefetch against the lab hub on loopback.
+"""Benchmark of sparkdeploy.steps.prefetch against the lab hub on loopback.
 
 The hub runs as its own process (`python -m lab.hub`), so it does not share this process's GIL
-with the clients being measured; its fault switches and byte counter are used over HTTP.
+with the clients being measured; its fault switches and byte counter are used over HTTP. As the
+real hub does, it redirects every LFS file to its storage host (another port): both the plain
+download and the prefetch follow that redirect.
 
 1. Cold prefetch of a multi-file repo (default 1 GiB) vs a plain parallel download of the same
    files from the same server with the same number of connections (http.client threads):
@@ -44,8 +46,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:1] = [str(REPO_ROOT)]
 
 from bench.cpu import CpuUsage, measured  # noqa: E402
+from lab.hub import HubControl  # noqa: E402
 from lab.tinymodel import generate_repo  # noqa: E402
-from sparkdeploy.prefetch import HubAccess, RepoSpec, human_bytes, prefetch  # noqa: E402
+from sparkdeploy.steps.prefetch import HubAccess, RepoSpec, human_bytes, prefetch  # noqa: E402
 
 REPO = "bench-org/big"
 READ_CHUNK = 1 << 20
@@ -54,23 +57,35 @@ READ_CHUNK = 1 << 20
 def plain_download(
     url: str, sha: str, files: list[str], dest: Path, connections: int, *, durable: bool
 ) -> None:
-    """GET every file over `connections` keep-alive HTTP/1.1 connections, one per thread.
+    """GET every file over `connections` threads, each with one keep-alive HTTP/1.1 connection
+    to the hub and one to the storage host its redirects name.
 
     durable: each file is fdatasync'ed and dropped from the page cache once written.
     """
-    host = urlsplit(url)
     queue = list(files)
 
     def worker() -> None:
-        conn = http.client.HTTPConnection(host.hostname or "127.0.0.1", host.port, timeout=60)
+        open_connections: dict[tuple[str, int], http.client.HTTPConnection] = {}
+
+        def get(target: str) -> http.client.HTTPResponse:
+            parts = urlsplit(target)
+            origin = (parts.hostname or "127.0.0.1", parts.port or 80)
+            if origin not in open_connections:
+                open_connections[origin] = http.client.HTTPConnection(*origin, timeout=60)
+            conn = open_connections[origin]
+            conn.request("GET", f"{parts.path}?{parts.query}" if parts.query else parts.path)
+            return conn.getresponse()
+
         try:
             while queue:
                 try:
                     entry = queue.pop()
                 except IndexError:
                     return
-                conn.request("GET", f"/{REPO}/resolve/{sha}/{quote(entry)}")
-                response = conn.getresponse()
+                response = get(f"{url}/{REPO}/resolve/{sha}/{quote(entry)}")
+                if response.status == 302:
+                    response.read()
+                    response = get(response.getheader("Location") or "")
                 if response.status != 200:
                     raise RuntimeError(f"{entry}: HTTP {response.status}")
                 target = dest / entry
@@ -83,7 +98,8 @@ def plain_download(
                         os.fdatasync(out.fileno())
                         os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
-            conn.close()
+            for conn in open_connections.values():
+                conn.close()
 
     with ThreadPoolExecutor(max_workers=connections) as pool:
         for future in [pool.submit(worker) for _ in range(connections)]:
@@ -105,49 +121,14 @@ def sha256_alone(total: int, threads: int) -> CpuUsage:
     return usage
 
 
-class HubProcess:
-    """`python -m lab.hub` in a child process; control and stats through /_lab/."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def _lab(self, path: str, body: dict[str, object] | None = None) -> dict[str, object]:
-        host = urlsplit(self.url)
-        conn = http.client.HTTPConnection(host.hostname or "127.0.0.1", host.port, timeout=30)
-        try:
-            if body is None:
-                conn.request("GET", path)
-            else:
-                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            payload = response.read()
-            if response.status != 200:
-                raise RuntimeError(f"lab hub {path}: HTTP {response.status} {payload[:200]!r}")
-            result: dict[str, object] = json.loads(payload or b"{}")
-            return result
-        finally:
-            conn.close()
-
-    def reset_stats(self) -> None:
-        self._lab("/_lab/stats", {"reset": True})
-
-    def stats(self) -> tuple[int, int]:
-        """(requests, file body bytes served) since the last reset."""
-        stats = self._lab("/_lab/stats")
-        return int(str(stats["requests"])), int(str(stats["bytes_served"]))
-
-    def cut_next_file(self, after_bytes: int) -> None:
-        self._lab("/_lab/faults", {"cut_next_file": after_bytes})
-
-
 @contextmanager
-def hub_process(repos: Path) -> Iterator[HubProcess]:
+def hub_process(repos: Path) -> Iterator[HubControl]:
     argv = [sys.executable, "-m", "lab.hub", "--repos", str(repos), "--host", "127.0.0.1"]
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
         ready = json.loads(child.stdout.readline())
-        yield HubProcess(ready["url"])
+        yield HubControl(ready["url"])
     finally:
         child.terminate()
         child.wait(timeout=30)
@@ -237,7 +218,8 @@ def main() -> int:
             started = time.perf_counter()
             [warm] = prefetch([RepoSpec(REPO)], nas, access)
             warm_s = time.perf_counter() - started
-            requests, served = hub.stats()
+            stats = hub.stats()
+            requests, served = stats["requests"], stats["bytes_served"]
             print(
                 f"warm: hub served {served} bytes (target 0), "
                 f"{requests} request(s), {warm_s * 1000:.0f} ms"
@@ -249,10 +231,10 @@ def main() -> int:
             pointer.unlink()
             cut = shard.size // 2 + 12345  # not on a chunk boundary
             hub.reset_stats()
-            hub.cut_next_file(after_bytes=cut)
+            hub.set_faults(cut_next_file=cut)
             [resumed] = prefetch([RepoSpec(REPO)], nas, access)
             assert [f.path for f in resumed.files if f.fetched] == [shard.path]
-            refetched = hub.stats()[1] - cut
+            refetched = hub.stats()["bytes_served"] - cut
             missing = shard.size - cut
             print(
                 f"cut: {shard.path} ({human_bytes(shard.size)}) cut after {cut} bytes; the "

@@ -28,7 +28,7 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 from hfcache_layout import cache_repo  # noqa: E402
 
 from lab.tinymodel import generate_repo  # noqa: E402
-from sparkdeploy.gate import GateEvent, ReadinessGate, follow_lines  # noqa: E402
+from sparkdeploy.steps.readiness_gate import GateEvent, ReadinessGate, follow_lines  # noqa: E402
 
 STANDIN = REPO_ROOT / "lab" / "engine" / "vllm_standin.py"
 MODEL = "lab/tiny-chat"

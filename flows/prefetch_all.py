@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from prefect import flow
 
-from sparkdeploy.cluster import load_cluster
-from sparkdeploy.prefetch import RepoOutcome
-from sparkdeploy.project import find_cluster
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.project import find_cluster
+from sparkdeploy.steps.prefetch import RepoOutcome
 from tasks.catalog import repos_of_deployable_recipes
 from tasks.prefetch import prefetch_repos
 
 
 @flow(name="prefetch-all", flow_run_name="prefetch-all {recipes} into {cluster}")
-def prefetch_all(cluster: str = "lab", recipes: str = "*") -> list[RepoOutcome]:
+def prefetch_all(cluster: str, recipes: str = "*") -> list[RepoOutcome]:
     """Scheduled nightly: tomorrow's deploys then find their weights complete on the NAS.
 
     `recipes` is a glob on recipe names (e.g. "lab-*" for the lab, whose hub holds only the

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from sparkdeploy.status import DeploymentStatus
+from sparkdeploy.steps.status import DeploymentStatus
 from tasks.status import read_cluster_status
 
 
 @flow(name="status", flow_run_name="status of {cluster}")
-def status(cluster: str = "lab") -> list[DeploymentStatus]:
+def status(cluster: str) -> list[DeploymentStatus]:
     return read_cluster_status(cluster)

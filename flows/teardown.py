@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from prefect import flow
 
-from sparkdeploy.teardown import TeardownReport
+from sparkdeploy.steps.teardown import TeardownReport
 from tasks.plan import plan_deployment
 from tasks.runlabels import label_flow_run
 from tasks.teardown import teardown_deployment
 
 
 @flow(name="teardown", flow_run_name="teardown {recipe} on {cluster}")
-def teardown(recipe: str, cluster: str = "lab", nodes: list[str] | None = None) -> TeardownReport:
+def teardown(recipe: str, cluster: str, nodes: list[str] | None = None) -> TeardownReport:
     """Tear down what `deploy` started for this recipe on these nodes. Idempotent."""
     plan = plan_deployment(recipe, cluster, nodes, allow_blocked=True)
     label_flow_run(plan, verb="teardown")

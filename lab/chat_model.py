@@ -1,9 +1,9 @@
 """A real tiny chat model for real vLLM in the lab: a Llama that has learned the smoke test.
 
-The smoke test (sparkdeploy.smoke) asks fixed questions at temperature 0 and checks the answers.
-This module trains, deterministically and in well under a minute on two CPU cores, a 2-layer
-LlamaForCausalLM with its own byte-level BPE tokenizer to answer exactly those prompts (imported
-from sparkdeploy.smoke, so they cannot drift apart) and then stop with EOS:
+The smoke test (sparkdeploy.steps.smoke_test) asks fixed questions at temperature 0 and checks the
+answers. This module trains, deterministically and in well under a minute on two CPU cores, a
+2-layer LlamaForCausalLM with its own byte-level BPE tokenizer to answer exactly those prompts
+(imported from sparkdeploy.steps.smoke_test, so they cannot drift apart) and then stop with EOS:
 
     the three canaries     -> their expected answers ("5461", "55", "ycarucca")
     LONG_PROMPT            -> "5461"
@@ -43,7 +43,7 @@ from lab.tinymodel import GeneratedRepo, repo_staging
 from sparkdeploy.errors import LabError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-SMOKE_SOURCE = PROJECT_ROOT / "sparkdeploy" / "smoke.py"
+SMOKE_SOURCE = PROJECT_ROOT / "sparkdeploy" / "steps" / "smoke_test.py"
 CHAT_MODEL_REPO = "lab/tiny-llama-chat"
 
 STREAM_ANSWER = (
@@ -100,7 +100,8 @@ _EXTRA_CORPUS = (
 
 
 # ---------------------------------------------------------------------------------------------
-# What the model must answer (runtime and host side: standard library and sparkdeploy.smoke)
+# What the model must answer (runtime and host side: standard library and
+# sparkdeploy.steps.smoke_test)
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class Lesson:
 
 def lessons() -> tuple[Lesson, ...]:
     """Every smoke prompt without tools or reasoning, with the answer the model must give."""
-    from sparkdeploy import smoke
+    from sparkdeploy.steps import smoke_test as smoke
 
     return (
         *(Lesson(canary.name, canary.prompt, canary.expected) for canary in smoke.CANARIES),
@@ -124,7 +125,7 @@ def lessons() -> tuple[Lesson, ...]:
 
 def answer_problem(lesson: Lesson, text: str) -> str | None:
     """Why `text` would fail the smoke check of `lesson`, or None (the smoke's own detectors)."""
-    from sparkdeploy import smoke
+    from sparkdeploy.steps import smoke_test as smoke
 
     if text != lesson.answer:
         return f"expected {lesson.answer!r}, got {text!r}"

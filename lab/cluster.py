@@ -3,15 +3,18 @@
 Topology (names and addresses from lab.layout, derived from the lab's name):
 
     host: <host_link> 10.x.y.1 ══veth══ uplink ─┐
-                                                 ├─ br0 10.x.y.2 (registry), netns lab-<name>-net
+                                                 ├─ br0 10.x.y.2 (registry, hub)
+                                                 │      10.x.y.3 (hub storage), netns lab-<name>-net
     netns lab-<name>-node1: enp1s0f1np1 10.x.y.11 ══veth══ port1 ─┤
     netns lab-<name>-node2: enp1s0f1np1 10.x.y.12 ══veth══ port2 ─┘ ...
 
 The bridge sits in its own namespace so node-to-node traffic never crosses the host's firewall.
 Each node runs lab/nodeinit.py in its own mount and UTS namespaces (own /run, /tmp + /var/tmp,
-/var/lib/docker, /etc/ssh, /etc/docker, /etc/hosts, hostname), which starts the node's dockerd
-and becomes its sshd. Everything lives under <lab root>/<name>/ (sparkdeploy.project.lab_root:
-/srv/sparkdeploy-lab unless SPARKDEPLOY_LAB_ROOT says otherwise); `down` removes it all.
+/var/lib/docker, /etc/ssh, /etc/docker, /etc/hosts, /etc/machine-id, hostname), which starts
+the node's dockerd and becomes its sshd. Everything lives under <lab root>/<name>/
+(sparkdeploy.model.project.lab_root: /srv/sparkdeploy-lab unless SPARKDEPLOY_LAB_ROOT says
+otherwise);
+`down` removes it all.
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ from lab.layout import (
     runtimes_dir,
 )
 from sparkdeploy.errors import LabError
-from sparkdeploy.node_probe import EngineApi
-from sparkdeploy.ssh import SshTarget
+from sparkdeploy.node.probe import EngineApi
+from sparkdeploy.remote.ssh import SshTarget
 
 COMMAND_TIMEOUT_S = 15
 READY_TIMEOUT_S = 30
@@ -65,6 +68,9 @@ NODE_DAEMON_ARGV = {
 }
 # The listener and every session process (OpenSSH 9.8 split the sessions into sshd-session).
 SSHD_COMMANDS = frozenset({"sshd", "sshd-session"})
+MACHINE_ID = Path("/etc/machine-id")
+LAB_NODE_MEMORY_GIB = 6.0
+LAB_ENGINE_OVERHEAD_GIB = 2.0
 
 
 def run(argv: list[str], *, stdin: bytes | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:
@@ -118,8 +124,8 @@ def _write(path: Path, content: str | bytes, mode: int = 0o644) -> None:
 def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
+    if isinstance(value, int | float):
+        return repr(value)
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, list):
@@ -260,6 +266,7 @@ class Lab:
                 json.dumps(self._daemon_config(node), indent=2),
             )
             _write(node_dir / "hosts", hosts)
+            _write(node_dir / "machine-id", layout.machine_id(node) + "\n", 0o444)
             known_hosts.append(f"{layout.node_ip(node)} {host_key.public_line}\n")
         _write(layout.known_hosts, "".join(known_hosts))
         registry_dir = layout.state_dir / "registry"
@@ -328,6 +335,7 @@ class Lab:
             "link set lo up",
             "link add br0 type bridge",
             f"addr add {layout.registry_ip}/24 dev br0",
+            f"addr add {layout.hub_storage_ip}/24 dev br0",
             "link set br0 up",
             "link set uplink master br0 up",
         ]
@@ -396,6 +404,10 @@ class Lab:
             "--host",
             layout.registry_ip,
             "--port",
+            str(HUB_PORT),
+            "--storage-host",
+            layout.hub_storage_ip,
+            "--storage-port",
             str(HUB_PORT),
         ]
 
@@ -525,6 +537,12 @@ class Lab:
                     # The lab's fabric is a veth: "auto" finds no RDMA device, NCCL uses sockets.
                     "roce_hcas": "auto",
                     "gid_index": "auto",
+                    # The nodes share the host's memory and /proc/meminfo: what one may use.
+                    "memory_gib": LAB_NODE_MEMORY_GIB,
+                    # Engines on the CPU, in host RAM: the page cache counts as available.
+                    "unified_memory": False,
+                    # The real engine beside its KV cache, measured (docs/real-engine.md).
+                    "engine_overhead_gib": LAB_ENGINE_OVERHEAD_GIB,
                 },
             )
             + "".join(
@@ -784,6 +802,12 @@ def _check_prerequisites() -> None:
         raise LabError(
             f"the lab needs {', '.join(missing)}: run scripts/setup (installs docker.io"
             " openssh-server docker-registry busybox-static iproute2)"
+        )
+    if not MACHINE_ID.is_file():
+        raise LabError(
+            f"the lab gives each node its own {MACHINE_ID} by mounting a file over the host's,"
+            " and this host has none: create it with `systemd-machine-id-setup` (or"
+            f" `dbus-uuidgen --ensure={MACHINE_ID}`)"
         )
 
 

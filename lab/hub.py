@@ -1,21 +1,29 @@
 """A local Hugging Face hub for the lab and the tests: what huggingface_hub 2.4's
-snapshot_download and hf_hub_download call, served from a directory, with fault switches.
+snapshot_download and hf_hub_download call, served from a directory, answered as the real hub
+answers (docs/field.md, "The Hugging Face hub"), with fault switches.
 
 Repos live at repos_dir/<org>/<name>/ (lab.tinymodel writes them). Each has one revision,
 `main`, whose commit sha is derived from the files' content; a sibling file
-repos_dir/<org>/<name>.gated (one token a line) makes the repo gated. Endpoints, as the client
-calls them (docs/field.md, "The Hugging Face hub"):
+repos_dir/<org>/<name>.gated (one token a line) makes the repo gated. Two origins, as on the
+real hub: the hub itself and a storage host at another address that holds the LFS files.
 
     GET  /api/models/{repo}[/revision/{rev}][?blobs=true]   sha and siblings
     GET  /api/models/{repo}/tree/{rev}[/{path}]?recursive=  entries, paginated by a Link header
     HEAD /{repo}/resolve/{rev}/{path}                       X-Repo-Commit, ETag, sizes
-    GET  /{repo}/resolve/{rev}/{path}                       the bytes; Range answered with 206
+    GET  /{repo}/resolve/{rev}/{path}                       small files: the bytes (Range: 206)
+                                                            LFS files: 302 to a signed storage
+                                                            URL, X-Linked-Size, X-Linked-Etag
+    GET  <storage>/lfs/{repo}/{sha256}?expires=&signature=  the LFS bytes (Range: 206); no token
 
-Files are served directly (no redirect); LFS files (weights, or >= 10 MiB) also carry
-X-Linked-Etag (their sha256) and X-Linked-Size, as the hub's redirect responses do.
+Errors carry X-Error-Code and X-Error-Message: a gated repo is 401 GatedRepo without a token and
+403 GatedRepo with one that is not on its list; a missing repo is 401 RepoNotFound anonymously
+and 404 with a token; a missing revision or file is 404 RevisionNotFound or EntryNotFound; a
+token not shaped like a Hugging Face token (`hf_...`) is 401 "Invalid credentials in
+Authorization header" on every endpoint.
 
-Lab control: GET/POST /_lab/faults (JSON: fail_next + status, cut_next_file, slow, reset) and
-GET/POST /_lab/stats (requests and bytes served; POST {"reset": true} zeroes them).
+Lab control: GET/POST /_lab/faults (JSON: fail_next + status + retry_after, cut_next_file, slow,
+reset) and GET/POST /_lab/stats (requests, bytes served, and per origin the Authorization
+headers received as fingerprints; POST {"reset": true} zeroes them); HubControl calls them.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import hmac
 import json
 import os
 import signal
@@ -30,6 +39,8 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
@@ -48,6 +59,16 @@ SEND_CHUNK_BYTES = 16 * 1024 * 1024
 # Idle keep-alive connections are closed after this, so no handler thread waits forever.
 CONNECTION_IDLE_TIMEOUT_S = 60.0
 REQUEST_LOG_LENGTH = 10_000
+# How long a storage URL the hub hands out stays valid (the real hub's are signed for about an
+# hour).
+STORAGE_URL_LIFETIME_S = 3600
+HUB = "hub"
+STORAGE = "storage"
+# The quota a 429 announces, per bucket ("api" for /api/, "resolvers" for /resolve/) over a
+# 5-minute window, in the real hub's header form (https://huggingface.co/docs/hub/rate-limits).
+RATE_LIMIT_QUOTA = 1000
+RATE_LIMIT_WINDOW_S = 300
+DEFAULT_RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -241,14 +262,25 @@ def index_repo(
     return state
 
 
+def fingerprint(authorization: str) -> str:
+    """How the request log names an Authorization header: a digest, never the token itself."""
+    return hashlib.sha256(authorization.encode()).hexdigest()[:16]
+
+
 @dataclass
 class RequestRecord:
-    """One request; status and bytes_sent are filled in before the client can see them."""
+    """One request; status and bytes_sent are filled in before the client can see them.
+
+    `origin` is the address it reached (HUB or STORAGE); `authorization` the fingerprint of its
+    Authorization header, if it had one.
+    """
 
     method: str
     path: str
     range: str | None
     authorized: bool
+    origin: str = HUB
+    authorization: str | None = None
     status: int = 0
     bytes_sent: int = 0
 
@@ -257,52 +289,77 @@ class RequestRecord:
 class Faults:
     fail_remaining: int = 0
     fail_status: int = 503
+    # Sent as Retry-After with the injected failures (a 429 always has one).
+    retry_after_s: int | None = None
     cut_after_bytes: int | None = None
     slow_bytes_per_s: int | None = None
 
 
 class HubServer:
-    """The lab hub in a thread of this process (or, via main(), as its own process)."""
+    """The lab hub in threads of this process (or, via main(), as its own process): the hub's
+    address and the storage host's, by default the same host on another port."""
 
     def __init__(
-        self, repos_dir: Path, host: str = "127.0.0.1", port: int = 0, *, page_size: int = 1000
+        self,
+        repos_dir: Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        page_size: int = 1000,
+        storage_host: str | None = None,
+        storage_port: int = 0,
     ) -> None:
         self.repos_dir = Path(repos_dir)
         self.index = RepoIndex(self.repos_dir)
         self.page_size = page_size
-        self._host = host
-        self._port = port
+        self._addresses = {HUB: (host, port), STORAGE: (storage_host or host, storage_port)}
+        self._signing_key = os.urandom(32)
         self._faults = Faults()
         self._lock = threading.Lock()
         self._log: deque[RequestRecord] = deque(maxlen=REQUEST_LOG_LENGTH)
         self._request_count = 0
         self._bytes_served = 0
-        self._httpd: _HubHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._servers: dict[str, _HubHTTPServer] = {}
+        self._threads: list[threading.Thread] = []
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> HubServer:
-        if self._httpd is not None:
+        if self._servers:
             return self
-        httpd = _HubHTTPServer((self._host, self._port), _HubHandler)
-        httpd.hub = self
-        self._httpd = httpd
-        self._thread = threading.Thread(
-            target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="lab-hub", daemon=True
-        )
-        self._thread.start()
+        try:
+            for origin, address in self._addresses.items():
+                httpd = _HubHTTPServer(address, _HubHandler)
+                httpd.hub = self
+                httpd.origin = origin
+                self._servers[origin] = httpd
+        except OSError:
+            self._close_servers()
+            raise
+        for origin, httpd in self._servers.items():
+            thread = threading.Thread(
+                target=httpd.serve_forever,
+                kwargs={"poll_interval": 0.1},
+                name=f"lab-{origin}",
+                daemon=True,
+            )
+            thread.start()
+            self._threads.append(thread)
         return self
 
     def stop(self) -> None:
-        httpd, self._httpd = self._httpd, None
-        if httpd is None:
-            return
-        httpd.shutdown()
-        httpd.close_connections()
-        httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for httpd in self._servers.values():
+            httpd.shutdown()
+            httpd.close_connections()
+        self._close_servers()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._threads.clear()
+
+    def _close_servers(self) -> None:
+        for httpd in self._servers.values():
+            httpd.server_close()
+        self._servers.clear()
 
     def __enter__(self) -> HubServer:
         return self.start()
@@ -317,18 +374,53 @@ class HubServer:
 
     @property
     def url(self) -> str:
-        if self._httpd is None:
+        """The hub's address: the endpoint clients are given."""
+        return self._url_of(HUB)
+
+    @property
+    def storage_url(self) -> str:
+        """The storage host's address, where the hub redirects LFS downloads."""
+        return self._url_of(STORAGE)
+
+    def _url_of(self, origin: str) -> str:
+        httpd = self._servers.get(origin)
+        if httpd is None:
             raise RuntimeError("the lab hub is not started: call start() first")
-        host, port = self._httpd.socket.getsockname()[:2]
+        host, port = httpd.socket.getsockname()[:2]
         return f"http://{host}:{port}"
+
+    def storage_location(self, repo_id: str, hub_file: HubFile) -> str:
+        """A signed URL of the LFS file on the storage host, as the hub's 302 gives it."""
+        expires = int(time.time()) + STORAGE_URL_LIFETIME_S
+        path = f"/lfs/{repo_id}/{hub_file.sha256}"
+        name = quote(hub_file.path.rsplit("/", 1)[-1], safe="")
+        return (
+            f"{self.storage_url}{path}?filename={name}&expires={expires}"
+            f"&signature={self._signature(path, expires)}"
+        )
+
+    def _signature(self, path: str, expires: int) -> str:
+        return hmac.new(self._signing_key, f"{path}\n{expires}".encode(), "sha256").hexdigest()
+
+    def signature_valid(self, path: str, expires: str, signature: str) -> bool:
+        if not expires.isdigit() or int(expires) < time.time():
+            return False
+        return hmac.compare_digest(self._signature(path, int(expires)), signature)
 
     # --- fault switches --------------------------------------------------------------------
 
-    def fail_next(self, n: int, status: int = 503) -> None:
-        """The next n requests (lab control aside) are answered with `status`."""
+    def fail_next(self, n: int, status: int = 503, retry_after_s: int | None = None) -> None:
+        """The next n requests to either origin (lab control aside) are answered with `status`,
+        with a Retry-After header when retry_after_s is given (a 429 always has one)."""
         with self._lock:
             self._faults.fail_remaining = n
             self._faults.fail_status = status
+            self._faults.retry_after_s = retry_after_s
+
+    def rate_limit(self, n: int, retry_after_s: int = DEFAULT_RETRY_AFTER_S) -> None:
+        """The next n requests are answered 429 Too Many Requests, as the real hub's rate
+        limit answers: Retry-After and the RateLimit headers."""
+        self.fail_next(n, 429, retry_after_s)
 
     def cut_next_file(self, after_bytes: int) -> None:
         """The next file body is cut (connection closed) after `after_bytes` bytes."""
@@ -350,35 +442,42 @@ class HubServer:
 
     def apply_fault_request(self, request: Mapping[str, Any]) -> None:
         """Apply a POST /_lab/faults body; ValueError names what is wrong."""
-        known = {"reset", "fail_next", "status", "cut_next_file", "slow"}
+        known = {"reset", "fail_next", "status", "retry_after", "cut_next_file", "slow"}
         unknown = sorted(set(request) - known)
         if unknown:
             raise ValueError(f"unknown fault keys {unknown}; known: {sorted(known)}")
-        for key in ("fail_next", "status", "cut_next_file", "slow"):
+        for key in ("fail_next", "status", "retry_after", "cut_next_file", "slow"):
             value = request.get(key)
-            nullable = key == "slow"
+            nullable = key in ("slow", "retry_after")
             if key in request and not (
                 (nullable and value is None)
                 or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
             ):
                 raise ValueError(f"fault {key}: expected a non-negative integer, got {value!r}")
-        if "status" in request and "fail_next" not in request:
-            raise ValueError("fault status: only meaningful with fail_next")
+        for key in ("status", "retry_after"):
+            if key in request and "fail_next" not in request:
+                raise ValueError(f"fault {key}: only meaningful with fail_next")
         if request.get("reset"):
             self.reset_faults()
         if "fail_next" in request:
-            self.fail_next(request["fail_next"], request.get("status", 503))
+            self.fail_next(
+                request["fail_next"], request.get("status", 503), request.get("retry_after")
+            )
         if "cut_next_file" in request:
             self.cut_next_file(request["cut_next_file"])
         if "slow" in request:
             self.slow(request["slow"])
 
-    def _take_failure(self) -> int | None:
+    def _take_failure(self) -> tuple[int, int | None] | None:
+        """(status, Retry-After seconds) of the next injected failure, if one is due."""
         with self._lock:
             if self._faults.fail_remaining <= 0:
                 return None
             self._faults.fail_remaining -= 1
-            return self._faults.fail_status
+            retry_after = self._faults.retry_after_s
+            if retry_after is None and self._faults.fail_status == 429:
+                retry_after = DEFAULT_RETRY_AFTER_S
+            return self._faults.fail_status, retry_after
 
     def _take_cut(self) -> int | None:
         with self._lock:
@@ -429,8 +528,22 @@ class HubServer:
             return {
                 "requests": self._request_count,
                 "bytes_served": self._bytes_served,
+                "authorization": self._authorization_by_origin(),
                 "log": [asdict(record) for record in self._log],
             }
+
+    def authorization_by_origin(self) -> dict[str, list[str]]:
+        """Per origin, the fingerprints (fingerprint()) of the Authorization headers it was
+        sent, in the order first seen (from the request log: since start or reset_stats)."""
+        with self._lock:
+            return self._authorization_by_origin()
+
+    def _authorization_by_origin(self) -> dict[str, list[str]]:
+        seen: dict[str, list[str]] = {HUB: [], STORAGE: []}
+        for record in self._log:
+            if record.authorization and record.authorization not in seen[record.origin]:
+                seen[record.origin].append(record.authorization)
+        return seen
 
     def repo_sha(self, repo_id: str) -> str:
         """The commit sha the hub serves for a repo now."""
@@ -440,9 +553,53 @@ class HubServer:
         return state.sha
 
 
+class HubControl:
+    """A lab hub running in another process (`python -m lab.hub`, the lab's), driven over its
+    /_lab/ endpoints: the fault switches and the request log of HubServer."""
+
+    def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self._timeout_s = timeout_s
+
+    def _call(self, path: str, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            f"{self.url}/_lab/{path}",
+            data=data,
+            method="GET" if body is None else "POST",
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout_s) as reply:
+                answer: dict[str, Any] = json.loads(reply.read())
+        except urllib.error.HTTPError as error:
+            raise RuntimeError(
+                f"lab hub {self.url}/_lab/{path}: HTTP {error.code} {error.read()[:300]!r}"
+            ) from error
+        return answer
+
+    def set_faults(self, **request: Any) -> Faults:
+        """POST /_lab/faults (the keys of HubServer.apply_fault_request); the faults now."""
+        return Faults(**self._call("faults", request))
+
+    def stats(self) -> dict[str, Any]:
+        return self._call("stats")
+
+    def reset_stats(self) -> None:
+        self._call("stats", {"reset": True})
+
+    def requests(self) -> list[RequestRecord]:
+        return [RequestRecord(**record) for record in self.stats()["log"]]
+
+    def authorization_by_origin(self) -> dict[str, list[str]]:
+        by_origin: dict[str, list[str]] = self.stats()["authorization"]
+        return by_origin
+
+
 class _HubHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     hub: HubServer
+    origin: str
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
         super().__init__(address, handler)
@@ -462,6 +619,21 @@ class _HubHTTPServer(ThreadingHTTPServer):
         for connection in connections:
             with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RDWR)
+
+
+def _injected_error(status: int, retry_after_s: int | None, bucket: str) -> _HubError:
+    headers = {} if retry_after_s is None else {"Retry-After": str(retry_after_s)}
+    if status == 429:
+        headers["RateLimit"] = f'"{bucket}";r=0;t={retry_after_s}'
+        headers["RateLimit-Policy"] = (
+            f'"fixed window";"{bucket}";q={RATE_LIMIT_QUOTA};w={RATE_LIMIT_WINDOW_S}'
+        )
+        return _HubError(
+            429,
+            f"lab hub: rate limit reached (injected); retry after {retry_after_s} s",
+            headers=headers,
+        )
+    return _HubError(status, f"lab hub: injected failure ({status})", headers=headers)
 
 
 class _HubError(Exception):
@@ -518,15 +690,26 @@ class _HubHandler(BaseHTTPRequestHandler):
         if segments[:1] == ["_lab"]:
             self._lab_control(method, segments[1:])
             return
+        authorization = self.headers.get("Authorization")
         self._record = RequestRecord(
-            method, self.path, self.headers.get("Range"), "Authorization" in self.headers
+            method,
+            self.path,
+            self.headers.get("Range"),
+            authorization is not None,
+            self.server.origin,
+            fingerprint(authorization) if authorization is not None else None,
         )
         self.hub._begin(self._record)
         try:
-            status = self.hub._take_failure()
-            if status is not None:
-                raise _HubError(status, f"lab hub: injected failure ({status})")
-            self._route(method, segments, query)
+            failure = self.hub._take_failure()
+            if failure is not None:
+                bucket = "api" if segments[:1] == ["api"] else "resolvers"
+                raise _injected_error(*failure, bucket)
+            if self.server.origin == STORAGE:
+                self._route_storage(method, segments, query)
+            else:
+                self._check_token()
+                self._route(method, segments, query)
         except _HubError as error:
             self._send_error(method, error)
         except (BrokenPipeError, ConnectionResetError):
@@ -552,14 +735,50 @@ class _HubHandler(BaseHTTPRequestHandler):
             state = self._repo("/".join(segments[:2]))
             self._check_revision(state, segments[3])
             self._check_access(state)
-            self._send_file(method, state, "/".join(segments[4:]))
+            self._resolve(method, state, "/".join(segments[4:]))
             return
         raise _HubError(404, f"lab hub: no route for {method} {self.path}")
+
+    def _route_storage(self, method: str, segments: list[str], query: dict[str, str]) -> None:
+        """The storage host: an LFS file by its sha256, for a URL the hub signed. The token is
+        neither needed nor looked at, as on the real hub's storage."""
+        if method not in ("GET", "HEAD") or len(segments) != 4 or segments[0] != "lfs":
+            raise _HubError(404, f"lab storage: no route for {method} {self.path}")
+        path = urlsplit(self.path).path
+        if not self.hub.signature_valid(path, query.get("expires", ""), query.get("signature", "")):
+            raise _HubError(403, "lab storage: the URL's signature is invalid or has expired")
+        state = self.hub.index.state("/".join(segments[1:3]))
+        stored = (
+            [] if state is None else [f for f in state.files.values() if f.sha256 == segments[3]]
+        )
+        if state is None or not stored:
+            raise _HubError(404, f"lab storage: no object {segments[3]}")
+        self._send_bytes(
+            method,
+            state.root / stored[0].path,
+            stored[0].size,
+            {
+                "ETag": f'"{stored[0].sha256}"',
+                "Content-Disposition": f'attachment; filename="{query.get("filename", "")}"',
+            },
+        )
+
+    def _check_token(self) -> None:
+        """A token that is no Hugging Face token at all is refused on every hub endpoint."""
+        authorization = self.headers.get("Authorization")
+        if authorization is None:
+            return
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.startswith("hf_"):
+            raise _HubError(401, "Invalid credentials in Authorization header")
 
     def _repo(self, repo_id: str) -> RepoState:
         state = self.hub.index.state(repo_id)
         if state is None:
-            raise _HubError(404, f"Repository {repo_id} not found", "RepoNotFound")
+            # Anonymously, a missing repo is 401: the hub does not say whether a private one
+            # exists.
+            status = 404 if "Authorization" in self.headers else 401
+            raise _HubError(status, "Repository not found", "RepoNotFound")
         return state
 
     def _check_revision(self, state: RepoState, revision: str) -> None:
@@ -575,11 +794,17 @@ class _HubHandler(BaseHTTPRequestHandler):
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() == "bearer" and token in state.gated_tokens:
             return
-        status = 403 if authorization else 401
+        if not authorization:
+            raise _HubError(
+                401,
+                f"Access to model {state.repo_id} is restricted. You must have access to it and"
+                " be authenticated to access it. Please log in.",
+                "GatedRepo",
+            )
         raise _HubError(
-            status,
-            f"Access to model {state.repo_id} is restricted. You must have access to it and be "
-            "authenticated to access it. Please log in.",
+            403,
+            f"Access to model {state.repo_id} is restricted and you are not in the authorized"
+            f" list. Visit {self.hub.url}/{state.repo_id} to ask for access.",
             "GatedRepo",
         )
 
@@ -616,16 +841,35 @@ class _HubHandler(BaseHTTPRequestHandler):
             headers["Link"] = f'<http://{host}{path}?{next_query}>; rel="next"'
         self._send_json(page, headers)
 
-    def _send_file(self, method: str, state: RepoState, path: str) -> None:
+    def _resolve(self, method: str, state: RepoState, path: str) -> None:
+        """A small file's bytes; for an LFS file, a redirect to the storage host that carries
+        the file's metadata (the client reads it from this response and does not follow a
+        HEAD's redirect to another origin)."""
         hub_file = state.files.get(path)
         if hub_file is None:
-            raise _HubError(
-                404,
-                f"Entry not found: {path} in {state.repo_id}",
-                "EntryNotFound",
-                {"X-Repo-Commit": state.sha},
-            )
-        size = hub_file.size
+            raise _HubError(404, "Entry not found", "EntryNotFound", {"X-Repo-Commit": state.sha})
+        headers = {"ETag": f'"{hub_file.blob_id}"', "X-Repo-Commit": state.sha}
+        if hub_file.sha256 is None:
+            self._send_bytes(method, state.root / path, hub_file.size, headers)
+            return
+        location = self.hub.storage_location(state.repo_id, hub_file)
+        body = f"Found. Redirecting to {location}".encode()
+        self._send_head(
+            302,
+            {
+                **headers,
+                "Location": location,
+                "X-Linked-Etag": f'"{hub_file.sha256}"',
+                "X-Linked-Size": str(hub_file.size),
+                "Content-Type": "text/plain; charset=utf-8",
+                "Content-Length": str(len(body)),
+            },
+        )
+        if method == "GET":
+            self.wfile.write(body)
+
+    def _send_bytes(self, method: str, path: Path, size: int, headers: Mapping[str, str]) -> None:
+        """The file at `path` (`size` bytes), or the one range a Range header asks for."""
         first, last = 0, size - 1
         requested = self.headers.get("Range")
         status = 200
@@ -640,24 +884,18 @@ class _HubHandler(BaseHTTPRequestHandler):
             first, last = parsed
             status = 206
         length = max(0, last - first + 1)
-        headers = {
+        sent = {
             "Content-Type": "application/octet-stream",
             "Content-Length": str(length),
             "Accept-Ranges": "bytes",
-            "ETag": f'"{hub_file.etag}"',
-            "X-Repo-Commit": state.sha,
+            **headers,
         }
-        if hub_file.sha256 is not None:
-            headers["X-Linked-Etag"] = f'"{hub_file.sha256}"'
-            headers["X-Linked-Size"] = str(size)
-            name = path.rsplit("/", 1)[-1]
-            headers["Content-Disposition"] = f'inline; filename="{name}"'
         if status == 206:
-            headers["Content-Range"] = f"bytes {first}-{last}/{size}"
-        self._send_head(status, headers)
+            sent["Content-Range"] = f"bytes {first}-{last}/{size}"
+        self._send_head(status, sent)
         if method == "HEAD" or length == 0:
             return
-        self._send_body(state.root / path, first, length)
+        self._send_body(path, first, length)
 
     def _send_body(self, path: Path, offset: int, length: int) -> None:
         cut = self.hub._take_cut()
@@ -771,9 +1009,10 @@ class _HubHandler(BaseHTTPRequestHandler):
         headers = {
             "Content-Type": "application/json",
             "Content-Length": str(len(body)),
-            "X-Error-Message": error.message,
             **error.headers,
         }
+        if self.server.origin == HUB:  # the storage host is no Hugging Face server
+            headers["X-Error-Message"] = error.message
         if error.error_code is not None:
             headers["X-Error-Code"] = error.error_code
         self._send_head(error.status, headers)
@@ -834,14 +1073,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--page-size", type=int, default=1000, help="tree entries per page")
+    parser.add_argument(
+        "--storage-host", help="the storage host's address (LFS downloads); default --host"
+    )
+    parser.add_argument("--storage-port", type=int, default=0)
     args = parser.parse_args(argv)
     if not args.repos.is_dir():
         parser.error(f"--repos {args.repos}: not a directory")
-    hub = HubServer(args.repos, args.host, args.port, page_size=args.page_size).start()
+    hub = HubServer(
+        args.repos,
+        args.host,
+        args.port,
+        page_size=args.page_size,
+        storage_host=args.storage_host,
+        storage_port=args.storage_port,
+    ).start()
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
-    print(json.dumps({"url": hub.url, "pid": os.getpid()}), flush=True)
+    print(
+        json.dumps({"url": hub.url, "storage_url": hub.storage_url, "pid": os.getpid()}),
+        flush=True,
+    )
     stopping.wait()
     hub.stop()
     return 0

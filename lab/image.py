@@ -6,9 +6,9 @@ library ldd names for it and its extension modules), the stand-in's sources in /
 so its sha256 identifies the content: the image is tagged with it, and a registry that already
 holds that tag as `latest` is left alone.
 
-The tar is `docker import`-ed by node 1's dockerd and pushed from there to the lab registry as
-`lab/vllm-standin:latest`; every node's dockerd uses the registry as its docker.io mirror, so the
-docker.io-style name pulls on every node.
+The tar is imported by node 1's dockerd and pushed from there to the lab registry as
+`lab/vllm-standin:latest`, through docker-py on that dockerd's Engine API socket; every node's
+dockerd uses the registry as its docker.io mirror, so the docker.io-style name pulls on every node.
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+import docker
+from docker.errors import DockerException
+
 from lab.cluster import Lab, run
 from lab.layout import ENGINE_IMAGE, REPO_ROOT
 from sparkdeploy.errors import LabError
-from sparkdeploy.project import lab_root
+from sparkdeploy.model.project import lab_root
 
 BUSYBOX = Path("/usr/bin/busybox")
 IMAGE_PYTHON_PREFIX = PurePosixPath("/usr/local")
@@ -183,7 +186,8 @@ class ImageInputs:
             )
         sources = [(path, path.name) for path in sorted(engine_dir.glob("*.py"))]
         sources += [
-            (REPO_ROOT / "sparkdeploy" / "engram.py", "engram.py"),
+            (REPO_ROOT / "sparkdeploy" / "node" / "engram.py", "engram.py"),
+            (REPO_ROOT / "sparkdeploy" / "vllm" / "kv_cache.py", "kv_cache.py"),
             (REPO_ROOT / "lab" / "tinymodel.py", "tinymodel.py"),
         ]
         return cls(
@@ -338,23 +342,34 @@ def push_root_tar(
         return f"{repository}:{tag}"
     if progress is not None:
         progress(f"importing {tar.name} ({tar.stat().st_size / 2**20:.0f} MiB) as {repository}")
-    docker = ["docker", "-H", f"unix://{lab.docker_socket(lab.nodes[0])}"]
     local_name = f"{lab.registry}/{repository}"
-    changes = [f"--change=ENV {key}={value}" for key, value in env.items()]
-    changes.append(f"--change=LABEL lab.inputs-sha256={content_tag}")
-    run(
-        [*docker, "import", *changes, str(tar), f"{local_name}:{content_tag}"],
-        timeout=PUSH_TIMEOUT_S,
+    changes = [f"ENV {key}={value}" for key, value in env.items()]
+    changes.append(f"LABEL lab.inputs-sha256={content_tag}")
+    engine = docker.DockerClient(
+        base_url=f"unix://{lab.docker_socket(lab.nodes[0])}", timeout=PUSH_TIMEOUT_S
     )
-    run([*docker, "tag", f"{local_name}:{content_tag}", f"{local_name}:{tag}"])
-    for name in (content_tag, tag):
-        try:
-            run([*docker, "push", f"{local_name}:{name}"], timeout=PUSH_TIMEOUT_S)
-        except LabError as error:
-            raise LabError(f"pushing {repository} to {lab.registry} failed: {error}") from error
+    try:
+        engine.api.import_image(
+            src=str(tar), repository=local_name, tag=content_tag, changes=changes
+        )
+        engine.api.tag(f"{local_name}:{content_tag}", local_name, tag=tag)
+        for name in (content_tag, tag):
+            _push(engine, local_name, name)
+    except DockerException as error:
+        raise LabError(f"pushing {repository} to {lab.registry} failed: {error}") from error
+    finally:
+        engine.close()
     if progress is not None:
         progress(f"{repository}:{tag} pushed to the lab registry")
     return f"{repository}:{tag}"
+
+
+def _push(engine: docker.DockerClient, local_name: str, tag: str) -> None:
+    """docker push; the Engine API reports a failed push inside its progress stream, not as an
+    HTTP error, so the stream is read to its end."""
+    for message in engine.api.push(local_name, tag=tag, stream=True, decode=True):
+        if "error" in message:
+            raise LabError(f"pushing {local_name}:{tag}: {message['error']}")
 
 
 def build_engine_image(lab: Lab) -> str:

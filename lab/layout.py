@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparkdeploy.errors import LabError
-from sparkdeploy.project import lab_root
+from sparkdeploy.model.project import lab_root
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_NAME = "lab"
@@ -87,6 +87,16 @@ class LabLayout:
         return f"http://{self.registry_ip}:{HUB_PORT}"
 
     @property
+    def hub_storage_ip(self) -> str:
+        """A second address of the bridge namespace: the hub's storage host, another origin
+        than the hub, as the real hub's LFS storage is."""
+        return f"{self.subnet_prefix}.3"
+
+    @property
+    def hub_storage_url(self) -> str:
+        return f"http://{self.hub_storage_ip}:{HUB_PORT}"
+
+    @property
     def hub_repos_dir(self) -> Path:
         return self.state_dir / "hub-repos"
 
@@ -105,6 +115,12 @@ class LabLayout:
 
     def node_ip(self, node: str) -> str:
         return f"{self.subnet_prefix}.{10 + self._node_number(node)}"
+
+    def machine_id(self, node: str) -> str:
+        """The node's /etc/machine-id (32 hex digits): its own, and the same each time the lab
+        is brought up, as a real machine keeps its id across reboots."""
+        self._node_number(node)
+        return hashlib.sha256(f"sparkdeploy-lab:{self.name}:{node}".encode()).hexdigest()[:32]
 
     def node_netns(self, node: str) -> str:
         return f"lab-{self.name}-{node}"

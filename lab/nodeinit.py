@@ -40,9 +40,9 @@ def remount_sysfs_for_this_netns(node_dir: Path) -> None:
 
 
 def mount_private_dirs(node_dir: Path) -> None:
-    """Give the node its own /run, /tmp, /var (tmp, lib/docker, log ...), /etc config dirs and
-    root's home (a node's ~ is its own, and the host's shell profile does not run in every SSH
-    command).
+    """Give the node its own /run, /tmp, /var (tmp, lib/docker, log ...), /etc config dirs, its
+    machine id and root's home (a node's ~ is its own, and the host's shell profile does not run
+    in every SSH command).
 
     /var is an overlay of the host's /var whose upper layer has `tmp -> /tmp`: /tmp and /var/tmp
     are then one mount, so link() between them works as on a real node (two bind mounts would
@@ -60,6 +60,8 @@ def mount_private_dirs(node_dir: Path) -> None:
     mount("--bind", str(node_dir / "etc-ssh"), "/etc/ssh")
     mount("--bind", str(node_dir / "etc-docker"), "/etc/docker")
     mount("--bind", str(node_dir / "hosts"), "/etc/hosts")
+    # Each node is its own machine to the node locks (sparkdeploy.remote.node_identity).
+    mount("--bind", str(node_dir / "machine-id"), "/etc/machine-id")
     mount("--bind", str(node_dir / "home-root"), "/root")
     # vLLM's processes share memory through /dev/shm (containers run with --ipc host): each node
     # has its own, as a real one does, and what a killed engine leaves there goes with the node.

@@ -165,7 +165,7 @@ class EngramSpec:
     def config_keys(self) -> dict[str, Any]:
         """The engram_* keys of config.json, num_embeddings from the prime column rule."""
         # Host side only: the engine image carries this module without the sparkdeploy package.
-        from sparkdeploy.engram import prime_columns
+        from sparkdeploy.node.engram import prime_columns
 
         columns = prime_columns(
             len(self.layer_ids), self.max_ngram_size, self.vocab_size, self.n_heads
@@ -218,6 +218,7 @@ def generate_repo(
     tp_size: int | None = None,
     gated_tokens: Sequence[str] = (),
     dense_holes: bool = False,
+    context_length: int = 4096,
 ) -> GeneratedRepo:
     """Write an HF-style repo at repos_dir/<org>/<name>/ for the lab hub, replacing any old one.
 
@@ -228,6 +229,7 @@ def generate_repo(
     every rank some rows. gated_tokens make the repo gated: the hub answers 401/403 unless
     one of them is sent. dense_holes leaves the dense weights as holes (zeros): instant to write
     for download benchmarks of many GiB; Engram tables always get their real content.
+    context_length is the config's max_position_embeddings (and the tokenizer's limit).
     """
     if num_shards < 1 or total_bytes < 0:
         raise ValueError(f"{repo_id}: need num_shards >= 1 and total_bytes >= 0")
@@ -256,7 +258,7 @@ def generate_repo(
         for layer_id, shard_name in zip(engram.layer_ids, shard_names[len(dense) :], strict=True):
             engram_shards[layer_id] = shard_name
 
-    config = _config(num_shards, revision, engram)
+    config = _config(num_shards, revision, engram, context_length)
     small_files: dict[str, Any] = {
         "config.json": config,
         "generation_config.json": {
@@ -270,7 +272,7 @@ def generate_repo(
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": "<s>",
             "eos_token": "</s>",
-            "model_max_length": 4096,
+            "model_max_length": context_length,
             "chat_template": CHAT_TEMPLATE,
         },
         "model.safetensors.index.json": {
@@ -396,7 +398,9 @@ def _write_shard(
     return digest.hexdigest()
 
 
-def _config(num_shards: int, revision: str, engram: EngramSpec | None) -> dict[str, Any]:
+def _config(
+    num_shards: int, revision: str, engram: EngramSpec | None, context_length: int
+) -> dict[str, Any]:
     config: dict[str, Any] = {
         "architectures": ["TinyLabForCausalLM"],
         "model_type": "tiny_lab",
@@ -404,7 +408,7 @@ def _config(num_shards: int, revision: str, engram: EngramSpec | None) -> dict[s
         "num_hidden_layers": num_shards,
         "num_attention_heads": 8,
         "vocab_size": len(_VOCABULARY),
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": context_length,
         "torch_dtype": "bfloat16",
         "bos_token_id": 0,
         "eos_token_id": 1,

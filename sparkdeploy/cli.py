@@ -1,7 +1,9 @@
-"""`sparkdeploy validate` and `sparkdeploy plan`: check files and show plans, touching no node.
+"""`sparkdeploy validate`, `plan` and `diff`: check files, show plans, compare recipes, touching
+no node; `status`: what runs on a cluster; `notify`: the unhealthy-deployment notification.
 
-Imports stay light (no prefect, paramiko, docker or huggingface_hub) so validating every recipe
-takes well under a second after start-up.
+Imports stay light (no prefect, paramiko, docker or huggingface_hub at module level) so
+validating every recipe takes well under a second after start-up; status and notify import
+what they need when they run.
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ from typing import Annotated
 
 import typer
 
-from sparkdeploy.cluster import load_cluster
-from sparkdeploy.errors import SparkDeployError
-from sparkdeploy.plan import NodePlan, Plan
-from sparkdeploy.project import load_plan
-from sparkdeploy.recipe import load_recipe, recipe_paths
-from sparkdeploy.secrecy import MASK
-from sparkdeploy.vllm_args import is_flag
+from sparkdeploy.errors import FitError, SparkDeployError
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.plan import NodePlan, Plan
+from sparkdeploy.model.project import find_recipe, load_plan
+from sparkdeploy.model.recipe import load_recipe, recipe_paths
+from sparkdeploy.model.recipe_diff import diff_recipes
+from sparkdeploy.model.secrecy import MASK
+from sparkdeploy.steps.fit import fit_report
+from sparkdeploy.vllm.args import is_flag
 
 app = typer.Typer(
-    help="Validate recipes and cluster inventories; show what a deployment would run.",
+    help="Validate recipes and cluster inventories; show what a deployment would run; compare "
+    "two recipes; show what runs, and tell someone when it fails.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -117,7 +122,29 @@ def _docker_run_text(node: NodePlan) -> str:
     return " \\\n    ".join(lines)
 
 
-def _plan_text(plan: Plan) -> str:
+def _fit_text(plan: Plan, unchecked: str | None) -> list[str]:
+    if plan.fit is None:
+        return [f"# memory fit not checked here ({unchecked}); a deploy checks it after prefetch"]
+    report = plan.fit
+    lines = [f"# memory fit of {report.summary_line()}", *(f"#   {row}" for row in report.table())]
+    lines += [f"# note: {note}" for note in report.notes]
+    lines += [f"# WARNING: {warning}" for warning in report.warnings]
+    if report.refusal is not None:
+        lines.append("# DOES NOT FIT (a deploy refuses to start):")
+        lines += [f"#   {line}" for line in report.refusal.splitlines()]
+    return lines
+
+
+def _with_fit(plan: Plan) -> tuple[Plan, str | None]:
+    """The plan with the fit check's figures when this host sees the model in the NAS cache,
+    else why not."""
+    try:
+        return plan.model_copy(update={"fit": fit_report(plan)}), None
+    except FitError as exc:
+        return plan, str(exc)
+
+
+def _plan_text(plan: Plan, fit_unchecked: str | None) -> str:
     out = [
         f"# deployment {plan.deployment_id}: recipe {plan.recipe} on cluster {plan.cluster}",
         f"# endpoint {plan.endpoint}  served model {plan.served_model_name}  "
@@ -130,6 +157,7 @@ def _plan_text(plan: Plan) -> str:
     ]
     if plan.blocked:
         out.insert(1, f"# BLOCKED (a deploy refuses to start): {plan.blocked}")
+    out += _fit_text(plan, fit_unchecked)
     for node in plan.nodes:
         ssh = node.ssh
         out += [
@@ -180,4 +208,78 @@ def plan(
     except SparkDeployError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
-    typer.echo(result.model_dump_json(indent=2) if as_json else _plan_text(result))
+    result, fit_unchecked = _with_fit(result)
+    typer.echo(result.model_dump_json(indent=2) if as_json else _plan_text(result, fit_unchecked))
+
+
+@app.command()
+def diff(
+    recipe_a: Annotated[str, typer.Argument(help="A recipe name under recipes/ or a path.")],
+    recipe_b: Annotated[str, typer.Argument(help="The recipe to compare it with.")],
+    root: RootOption = Path("."),
+) -> None:
+    """Print what differs between two recipes as the engine will see it: normalised flags,
+    env (secrets as ***), image, mounts. Exit 0 when nothing differs, 1 when something does,
+    2 when a recipe cannot be read."""
+    try:
+        recipes = [load_recipe(find_recipe(name, root)) for name in (recipe_a, recipe_b)]
+    except SparkDeployError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    result = diff_recipes(*recipes, a_name=recipe_a, b_name=recipe_b)
+    typer.echo(result.text())
+    raise typer.Exit(0 if result.same else 1)
+
+
+@app.command()
+def status(
+    cluster: Annotated[
+        str, typer.Argument(help="An inventory name (clusters/NAME.toml, a lab's) or a path.")
+    ],
+) -> None:
+    """Each deployment of ours on the cluster: health, uptime, last smoke test and last event
+    (these two from the Prefect server PREFECT_API_URL names)."""
+    from datetime import UTC, datetime
+
+    from prefect import get_client
+
+    from sparkdeploy.model.project import find_cluster
+    from sparkdeploy.report.history import read_history
+    from sparkdeploy.steps.status import cluster_status
+
+    try:
+        statuses = cluster_status(load_cluster(find_cluster(cluster)))
+    except SparkDeployError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    now = datetime.now(UTC)
+    with get_client(sync_client=True) as client:
+        history = read_history(client, [s.deployment_id for s in statuses], now)
+    for found in statuses:
+        typer.echo(found.line(now, history.get(found.deployment_id)))
+    if not statuses:
+        typer.echo(f"nothing of ours runs on cluster {cluster}")
+
+
+@app.command()
+def notify(
+    block: Annotated[
+        str,
+        typer.Argument(
+            help="The notification block, BLOCK_TYPE/BLOCK_NAME as `prefect block ls` lists it."
+        ),
+    ],
+) -> None:
+    """Create or update the automation that sends each unhealthy-deployment event of the
+    watchdog, with its cause, through the given notification block."""
+    from prefect import get_client
+
+    from sparkdeploy.report.notify import NOTIFY_AUTOMATION, apply_notify_automation
+
+    try:
+        with get_client(sync_client=True) as client:
+            automation_id = apply_notify_automation(client, block)
+    except SparkDeployError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"automation {NOTIFY_AUTOMATION!r} ({automation_id}) sends to {block}")

@@ -25,6 +25,15 @@ class RecipeBlocked(PlanError):
     """The recipe says it must not be deployed (its `blocked` reason) and no override was given."""
 
 
+class FitError(PlanError):
+    """The fit check cannot size the deployment's memory (model not in the NAS, config lacking)."""
+
+
+class DoesNotFit(FitError):
+    """The model, its KV cache and the engine do not fit a node's memory (figures and knobs in
+    the message)."""
+
+
 class RemoteError(SparkDeployError):
     """A command on a node failed (not reachable, non-zero exit, timeout)."""
 
@@ -42,7 +51,12 @@ class PrefetchError(SparkDeployError):
 
 
 class TransientPrefetchError(PrefetchError):
-    """A hub failure worth retrying: connection refused/reset, timeout, 5xx."""
+    """A hub failure worth retrying: connection refused/reset, timeout, 5xx, 429.
+
+    retry_after_s: the wait the hub's Retry-After asked for, when it said.
+    """
+
+    retry_after_s: float | None = None
 
 
 class LabError(SparkDeployError):
@@ -113,3 +127,28 @@ class NodeLockError(SparkDeployError):
 
 class TeardownError(SparkDeployError):
     """A deployment's containers cannot be stopped or their logs cannot be saved."""
+
+
+class BenchmarkError(SparkDeployError):
+    """A benchmark cannot run: the endpoint does not answer, or its replies carry no usage."""
+
+
+class CompareError(SparkDeployError):
+    """A compare's sides are malformed: an override a recipe cannot take, nodes that clash."""
+
+
+class RolledBack(SparkDeployError):
+    """A replacing deploy failed and what it replaced serves again (named in the message)."""
+
+
+class RepairLimitReached(SparkDeployError):
+    """An automated repair was refused: the deployment was repaired too often in the past hour,
+    so it is left for a person (the message names the earlier repairs)."""
+
+
+class ReplaceRefused(SparkDeployError):
+    """A deployment cannot be replaced: it could not be brought back if the new one failed."""
+
+
+class RollbackFailed(SparkDeployError):
+    """A replacing deploy failed and what it replaced could not be brought back either."""

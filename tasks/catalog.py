@@ -1,4 +1,4 @@
-"""Prefect task: which repos the project's recipes need (logic in sparkdeploy.recipe)."""
+"""Prefect task: which repos the project's recipes need (logic in sparkdeploy.model.recipe)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import fnmatch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from sparkdeploy.project import project_root
-from sparkdeploy.recipe import RepoRef, load_all_recipes
+from sparkdeploy.model.project import project_root
+from sparkdeploy.model.recipe import RepoRef, load_all_recipes
 
 
 @task(name="recipe-repos")

@@ -1,4 +1,4 @@
-"""Prefect task: the composed model dir of every node (logic in sparkdeploy.compose)."""
+"""Prefect task: the composed model dir of every node (logic in sparkdeploy.steps.compose_model)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
-from sparkdeploy.compose import ComposeResult, compose_model
-from sparkdeploy.docker_remote import Runner, on_nodes
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.plan import Plan
-from sparkdeploy.targets import node_target
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.remote.docker_cli import Runner, on_nodes
+from sparkdeploy.remote.targets import node_target
+from sparkdeploy.steps.compose_model import ComposeResult, compose_model
 from tasks.common import artifact_key, retry_only
 
 

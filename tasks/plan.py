@@ -1,15 +1,16 @@
-"""Prefect task: the plan of a deployment (logic in sparkdeploy.project and sparkdeploy.plan)."""
+"""Prefect task: the plan of a deployment (logic in sparkdeploy.model.project and
+sparkdeploy.model.plan)."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.logging import get_run_logger
 
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import InventoryError, RecipeBlocked
-from sparkdeploy.plan import Plan, make_plan
-from sparkdeploy.project import find_cluster, find_recipe
-from sparkdeploy.recipe import load_recipe
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.plan import Plan, make_plan
+from sparkdeploy.model.project import find_cluster, find_recipe
+from sparkdeploy.model.recipe import load_recipe
 
 
 @task(name="plan")

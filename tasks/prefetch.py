@@ -1,4 +1,4 @@
-"""Prefect task: every repo of the plan into the NAS HF cache (logic in sparkdeploy.prefetch).
+"""Prefect task: every repo of the plan into the NAS HF cache (logic in sparkdeploy.steps.prefetch).
 
 The hub token is read here, inside the task, from the Prefect Secret block `hf-token` or
 HF_TOKEN: it is never a task parameter, so it never lands in the run's recorded parameters, logs
@@ -25,7 +25,7 @@ from prefect.blocks.system import Secret
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientPrefetchError
-from sparkdeploy.prefetch import (
+from sparkdeploy.steps.prefetch import (
     PUBLIC_HUB,
     TOKEN_SECRET_BLOCK,
     HubAccess,
@@ -41,14 +41,15 @@ PROGRESS_ARTIFACT_KEY = "prefetch-progress"
 FILES_ARTIFACT_KEY = "prefetch-files"
 
 
-def load_hub_token() -> str | None:
-    """The Secret block's value if the block exists, else HF_TOKEN, else None (anonymous)."""
+def load_hub_token() -> tuple[str | None, str]:
+    """The Secret block's value if the block exists, else HF_TOKEN, else None (anonymous); and
+    where it came from, for the errors about it."""
     try:
         # Prefect's dispatch types the call as maybe-a-coroutine; from sync code it is the block.
         secret = cast(Secret[str], Secret.load(TOKEN_SECRET_BLOCK))
-        return str(secret.get())
+        return str(secret.get()), f"the Prefect Secret block '{TOKEN_SECRET_BLOCK}'"
     except ValueError:  # Prefect's answer for a block that does not exist
-        return os.environ.get("HF_TOKEN") or None
+        return os.environ.get("HF_TOKEN") or None, "HF_TOKEN"
 
 
 class PrefectReporter:
@@ -125,9 +126,11 @@ def prefetch_repos(
 ) -> list[RepoOutcome]:
     """Put every repo (at its pinned revision, if any) into the NAS HF cache on the flow host."""
     logger = get_run_logger()
+    token, token_source = load_hub_token()
     hub = HubAccess(
         endpoint=endpoint or os.environ.get("HF_ENDPOINT") or PUBLIC_HUB,
-        token=load_hub_token(),
+        token=token,
+        token_source=token_source,
         max_workers=max_workers,
     )
     logger.info(

@@ -1,4 +1,5 @@
-"""Prefect task: the Engram sparse copies of every node (logic in sparkdeploy.staging)."""
+"""Prefect task: the Engram sparse copies of every node (logic in
+sparkdeploy.steps.stage_engram)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
-from sparkdeploy.docker_remote import Runner, on_nodes
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.plan import NodePlan, Plan
-from sparkdeploy.staging import EngramShard, StagingResult, stage_engram_shards
-from sparkdeploy.targets import node_target
+from sparkdeploy.model.plan import NodePlan, Plan
+from sparkdeploy.remote.docker_cli import Runner, on_nodes
+from sparkdeploy.remote.targets import node_target
+from sparkdeploy.steps.stage_engram import EngramShard, StagingResult, stage_engram_shards
 from sparkdeploy.units import human_bytes
 from tasks.common import artifact_key, retry_only
 

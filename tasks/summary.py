@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
-from sparkdeploy.summary import DeploySummary
+from sparkdeploy.steps.summary import DeploySummary
 from tasks.common import artifact_key
 
 

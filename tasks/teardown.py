@@ -1,5 +1,5 @@
 """Prefect task: a deployment's containers removed, logs kept, node locks released
-(logic in sparkdeploy.teardown and sparkdeploy.locks)."""
+(logic in sparkdeploy.steps.teardown and sparkdeploy.steps.hold_nodes)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.states import State
 from prefect.utilities.callables import get_parameter_defaults
 
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.locks import holders, release_nodes
-from sparkdeploy.project import find_cluster, load_plan
-from sparkdeploy.targets import cluster_targets, plan_targets
-from sparkdeploy.teardown import TeardownReport, teardown
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.project import find_cluster, load_plan
+from sparkdeploy.remote.targets import cluster_targets, plan_targets
+from sparkdeploy.steps.hold_nodes import give_back, holders, release_nodes
+from sparkdeploy.steps.teardown import TeardownReport, teardown
 from tasks.common import artifact_key, retry_only
 
 
@@ -70,11 +70,14 @@ def tear_down_abandoned_run(flow: Flow[Any, Any], flow_run: FlowRun, state: Stat
     on its own (killed, out of memory: the run is Crashed), outside the run's context: it knows
     only the run's parameters and plans again from them. It cleans the nodes this run holds
     and the free ones (a container of this deployment on a free node is an orphan of this run),
-    never a node another run holds (an earlier run of the same recipe may be serving there). A
-    worker killed alone runs no hook and needs none: the flow's process goes on and finishes
-    the deploy. Killed together with that process (the machine died), nothing runs a hook: the
-    run stays Running in Prefect and the next deploy of its nodes waits for it, naming it, until
-    a person tears that deployment down (the teardown flow).
+    never a node another run holds (an earlier run of the same recipe may be serving there); a
+    node it took from a deployment it was replacing goes back to that one
+    (sparkdeploy.steps.hold_nodes.give_back), for the next ensure or replacing deploy to bring
+    back. A worker killed alone runs no hook of its own: the flow's process either goes on and
+    finishes the deploy or ends Crashed itself and runs this hook. Killed together with that
+    process (the machine died), nothing runs a hook: the run stays Running in Prefect and the
+    next deploy of its nodes waits for it, naming it, until a person tears that deployment down
+    (the teardown flow).
     """
     logger = flow_run_logger(flow_run, flow)
     parameters = {**get_parameter_defaults(flow.fn), **flow_run.parameters}
@@ -92,12 +95,17 @@ def tear_down_abandoned_run(flow: Flow[Any, Any], flow_run: FlowRun, state: Stat
         log=logger.info,
     )
     held = [node for node in ours if by_node[node] is not None]
-    released = release_nodes(plan.cluster, held, plan.deployment_id, log=logger.info)
+    given = give_back(
+        plan.cluster, held, plan.deployment_id, flow_run_id=str(flow_run.id), log=logger.info
+    )
+    released = [node for node, to in given.items() if to is None]
+    handed = [f"{node} to {to}" for node, to in given.items() if to is not None]
     removed = ", ".join(f"{c.name} on {c.node}" for c in report.removed) or "no container left"
     others = [node for node in by_node if node not in ours]
     how = "cancelled" if state.is_cancelling() or state.is_cancelled() else "crashed"
     logger.info(
         f"{how}: tore down {plan.deployment_id} ({removed}) on nodes {', '.join(ours)},"
         f" released {', '.join(released) or 'none (none was still held by this run)'}"
+        + (f", gave back {', '.join(handed)}" if handed else "")
         + (f"; left {', '.join(others)} to the deployment holding them" if others else "")
     )

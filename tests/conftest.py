@@ -25,7 +25,7 @@ from lab.cluster import REQUIRED_TOOLS, Lab
 from lab.models import publish_lab_models
 from lab.prefect_local import SERVER_KEEPALIVE_S
 from lab.vllm_runtime import RealEngine, ensure_runtime, prepare_real_engine, unavailable_reason
-from sparkdeploy import ssh
+from sparkdeploy.remote import ssh
 
 TEST_LAB_NAME = os.environ.get("SPARKDEPLOY_TEST_LAB", "pytest")
 TEST_LAB_NODES = 3

@@ -1,4 +1,4 @@
-"""Run node scripts on this machine as sparkdeploy.ssh runs them on a node, minus SSH.
+"""Run node scripts on this machine as sparkdeploy.remote.ssh runs them on a node, minus SSH.
 
 run_python gives the script to a fresh `python3 -I -S` (isolated, no site-packages): only the
 standard library is importable, as on a DGX node where nothing of ours is installed.
@@ -18,11 +18,11 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from sparkdeploy.ssh import CommandResult
+from sparkdeploy.remote.ssh import CommandResult
 
 WATCH_POLL_S = 0.1
-# The node scripts' compiled-code cache (sparkdeploy.node_script) goes in a directory of the test
-# session's own, not in this machine's ~/.cache.
+# The node scripts' compiled-code cache (sparkdeploy.remote.node_script) goes in a directory of the
+# test session's own, not in this machine's ~/.cache.
 _NODE_CACHE = tempfile.TemporaryDirectory(prefix="sparkdeploy-node-cache-")
 NODE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "XDG_CACHE_HOME": _NODE_CACHE.name}
 

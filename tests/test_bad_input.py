@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from test_cluster import CONTRACT_INVENTORY
 
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import InventoryError, RecipeError, SparkDeployError
-from sparkdeploy.recipe import load_recipe
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.recipe import load_recipe
 
 GOOD_RECIPE = """\
 engine = "vllm"

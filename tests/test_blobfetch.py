@@ -1,11 +1,13 @@
-"""sparkdeploy.blobfetch against tiny loopback servers that misbehave in ways the lab hub does not:
-Range ignored, a redirect loop, an error status with the hub's reason."""
+"""sparkdeploy.remote.blobfetch against tiny loopback servers that misbehave in ways the lab hub
+does not: Range ignored, a redirect loop, an error status with the hub's reason."""
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from sparkdeploy import blobfetch
+from sparkdeploy.remote import blobfetch
 
 DATA = os.urandom(3 << 20)
 
@@ -60,6 +62,7 @@ def fetch(url: str, partial: Path, **options: Any) -> str:
             new_digest=hashlib.sha256,
             attempts=options.pop("attempts", 2),
             backoff_s=0.01,
+            max_retry_after_s=0.0,
             on_bytes=lambda _n: None,
             on_retry=lambda *_: None,
         )
@@ -127,3 +130,12 @@ def test_a_wrong_size_is_an_error_not_a_retry(
 
     with pytest.raises(blobfetch.ProtocolError, match="announces 10 bytes"):
         fetch(serve(short), tmp_path / "blob.incomplete")
+
+
+def test_retry_after_is_read_as_seconds_or_an_http_date() -> None:
+    assert blobfetch.retry_after_s({"Retry-After": "7"}) == 7.0
+    later = email.utils.formatdate(time.time() + 60, usegmt=True)
+    wait = blobfetch.retry_after_s({"Retry-After": later})
+    assert wait is not None and 50 < wait <= 60
+    assert blobfetch.retry_after_s({"Retry-After": "soon"}) is None
+    assert blobfetch.retry_after_s({}) is None

@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 
 from lab.cluster import Lab
-from sparkdeploy.boot import _node_problems, boot
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import BootError
-from sparkdeploy.node_probe import detect_roce, ipv4_of_gid
-from sparkdeploy.plan import Plan, make_plan
-from sparkdeploy.recipe import Recipe
-from sparkdeploy.ssh import cached_connection
-from sparkdeploy.targets import plan_targets
-from sparkdeploy.teardown import teardown
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.plan import Plan, make_plan
+from sparkdeploy.model.recipe import Recipe
+from sparkdeploy.node.probe import detect_roce, ipv4_of_gid
+from sparkdeploy.remote.ssh import cached_connection
+from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.steps.boot import _judge, _node_problems, boot
+from sparkdeploy.steps.teardown import teardown
 
 GIB = 1024**3
 
@@ -87,26 +87,115 @@ def _lab_plan(lab: Lab, image: str, env: dict[str, str] | None = None) -> Plan:
     return make_plan(recipe, load_cluster(lab.inventory_path))
 
 
-def test_preflight_problems_name_the_fix() -> None:
-    recipe = Recipe(name="t", docker_image="img:1", model="org/m", required_nodes=1)
+def _example_plan() -> Plan:
+    recipe = Recipe(
+        name="t",
+        docker_image="img:1",
+        model="org/m",
+        required_nodes=1,
+        args=["--gpu-memory-utilization", "0.9"],
+    )
     inventory = Path(__file__).parent.parent / "clusters" / "dgx-spark-4.toml"
-    node = make_plan(recipe, load_cluster(inventory)).nodes[0]
+    return make_plan(recipe, load_cluster(inventory))
+
+
+def _answer(**changes: Any) -> dict[str, Any]:
+    """A preflight answer of a healthy GB10 (121.63 GiB unified), with changes."""
     answer: dict[str, Any] = {
         "docker": {"version": "28"},
-        "image": None,
-        "missing_paths": ["/srv/nas/hf-cache"],
-        "gpus": 0,
+        "image": {"id": "sha256:1"},
+        "missing_paths": [],
+        "gpus": 1,
+        "memory": {
+            "total": 119 * GIB,
+            "free": 115 * GIB,
+            "available": 116 * GIB,
+            "page_cache": 1 * GIB,
+        },
         "page_cache_dropped": False,
-        "page_cache_error": "Permission denied",
-        "mem_available_bytes": 1 * GIB,
+        "gpu_processes": {"checked": True, "processes": []},
     }
-    problems = _node_problems(node, answer, 8 * GIB, drop_page_cache=True)
+    return {**answer, **changes}
+
+
+def test_preflight_problems_name_the_fix() -> None:
+    plan = _example_plan()
+    answer = _answer(
+        image=None,
+        missing_paths=["/srv/nas/hf-cache"],
+        gpus=0,
+        page_cache_dropped=False,
+        page_cache_error="Permission denied",
+        memory={"total": 119 * GIB, "free": 1 * GIB, "available": 2 * GIB, "page_cache": 0},
+    )
+    problems = _node_problems(plan, plan.nodes[0], answer)
     assert len(problems) == 5
     text = "\n".join(problems)
-    for expected in ("image img:1", "/srv/nas/hf-cache", "no GPU", "drop_caches", "1.0 GiB"):
+    for expected in ("image img:1", "/srv/nas/hf-cache", "no GPU", "drop_caches", "1.0 GiB free"):
         assert expected in text
-    down = _node_problems(node, {"docker": {"error": "Cannot connect"}}, 0, drop_page_cache=False)
+    down = _node_problems(plan, plan.nodes[0], {"docker": {"error": "Cannot connect"}})
     assert down == ["docker does not answer (Cannot connect): start dockerd there"]
+
+
+def test_free_memory_below_what_vllm_wants_at_start_is_refused_naming_the_figures() -> None:
+    plan = _example_plan()
+    node = plan.nodes[0]
+    assert _node_problems(plan, node, _answer()) == []
+    # 0.9 x 121.63 GiB = 109.5 GiB; on unified memory the page cache counts as used.
+    cached = _answer(
+        memory={
+            "total": 119 * GIB,
+            "free": 100 * GIB,
+            "available": 117 * GIB,
+            "page_cache": 17 * GIB,
+        }
+    )
+    [problem] = _node_problems(plan, node, cached)
+    assert problem.startswith(
+        "100.0 GiB free (MemFree: the GPU counts the page cache as used) of 119.0 GiB, but the"
+        " recipe needs 109.5 GiB free at start (--gpu-memory-utilization 0.9 x 121.63 GiB"
+    )
+    assert "page cache holds 17.0 GiB: set [docker] drop_page_cache = true" in problem
+    dropped = {**cached, "page_cache_dropped": True}
+    [problem] = _node_problems(plan, node, dropped)
+    assert "the page cache was dropped and it is still short" in problem
+
+
+def test_preflight_reports_free_memory_the_page_cache_and_a_skipped_gpu_check() -> None:
+    plan = _example_plan()
+    before = {"total": 119 * GIB, "free": 100 * GIB, "available": 117 * GIB, "page_cache": 17 * GIB}
+    after = {**before, "free": 116 * GIB, "page_cache": 1 * GIB}
+    answer = _answer(
+        memory=after,
+        memory_before_drop=before,
+        page_cache_dropped=True,
+        gpu_processes={"checked": False, "reason": "nvidia-smi is not installed on this node"},
+    )
+    logged: list[str] = []
+    [check] = _judge(plan, {"dgx1": answer}, log=logged.append).values()
+    assert check.free_before_drop_bytes == 100 * GIB
+    assert (
+        "116.0 GiB free of the 109.5 GiB needed, page cache 1.0 GiB (dropped: 100.0 GiB"
+        in (logged[0])
+    )
+    assert logged[1:] == [
+        "node dgx1: GPU processes not checked: nvidia-smi is not installed on this node"
+    ]
+
+
+def test_a_gpu_process_left_by_an_earlier_run_is_refused() -> None:
+    plan = _example_plan()
+    processes = [
+        {"pid": 4242, "name": "VLLM::EngineCore", "used_bytes": 6265 << 20},
+        {"pid": 77, "name": "python3", "used_bytes": None},
+    ]
+    answer = _answer(gpu_processes={"checked": True, "processes": processes})
+    assert _node_problems(plan, plan.nodes[0], answer) == [
+        "GPU process 4242 (VLLM::EngineCore) holds 6.1 GiB memory: an engine of an earlier run"
+        " still running? stop it (its container, or `kill 4242` on the node) before deploying",
+        "GPU process 77 (python3) holds GPU memory: an engine of an earlier run still running?"
+        " stop it (its container, or `kill 77` on the node) before deploying",
+    ]
 
 
 def _inspect(lab: Lab, node: str, container: str) -> dict[str, Any]:
@@ -132,7 +221,7 @@ def _wait_for_log(lab: Lab, node: str, container: str, timeout_s: float = 60) ->
 @pytest.mark.lab
 def test_boot_then_teardown_removes_exactly_ours(lab_cluster: Lab, lab_engine_image: str) -> None:
     plan = _lab_plan(lab_cluster, lab_engine_image)
-    from sparkdeploy.images import ensure_image
+    from sparkdeploy.steps.image import ensure_image
 
     ensure_image(plan_targets(plan), lab_engine_image)
     foreign = cached_connection(lab_cluster.ssh_target("node2"))
@@ -156,7 +245,7 @@ def test_boot_then_teardown_removes_exactly_ours(lab_cluster: Lab, lab_engine_im
         timeout=60,
     )
     try:
-        result = boot(plan, min_memory_bytes=GIB)
+        result = boot(plan)
         assert [booted.node for booted in result.nodes] == ["node1", "node2", "node3"]
         for node_plan in plan.nodes:
             inspected = _inspect(lab_cluster, node_plan.node, node_plan.container.name)
@@ -174,7 +263,7 @@ def test_boot_then_teardown_removes_exactly_ours(lab_cluster: Lab, lab_engine_im
             assert ("--headless" in inspected["Config"]["Cmd"]) == (node_plan.rank > 0)
 
         # A second boot replaces our containers (stale), keeping their logs.
-        again = boot(plan, min_memory_bytes=GIB)
+        again = boot(plan)
         assert {c.node for c in again.stale_removed} == {"node1", "node2", "node3"}
         assert again.container_ids != result.container_ids
 
@@ -202,7 +291,7 @@ def test_preflight_refuses_a_missing_image_before_starting_anything(
 ) -> None:
     plan = _lab_plan(lab_cluster, "lab/never-pulled:1")
     with pytest.raises(BootError) as caught:
-        boot(plan, min_memory_bytes=GIB)
+        boot(plan)
     message = str(caught.value)
     for node in lab_cluster.nodes:
         assert f"node {node}: image lab/never-pulled:1 is not there" in message

@@ -22,8 +22,8 @@ from lab.chat_model import (
 )
 from lab.hub import RepoIndex
 from lab.vllm_runtime import model_cache_dir
-from sparkdeploy import smoke
 from sparkdeploy.errors import LabError
+from sparkdeploy.steps import smoke_test as smoke
 
 RUNTIME_VERSION = "3.11.2 torch==test transformers==test"
 

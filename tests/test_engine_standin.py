@@ -33,8 +33,8 @@ from lab.engine.standin_log import EngineFatal
 from lab.engine.standin_net import check_node_network, nccl_interfaces_matching
 from lab.engine.vllm_standin import StandinEngine
 from lab.tinymodel import EngramSpec, GeneratedRepo, generate_repo
-from sparkdeploy import engram
-from sparkdeploy.vllm_markers import (
+from sparkdeploy.node import engram
+from sparkdeploy.vllm.markers import (
     DEFAULT_BOOT_MARKERS,
     DEFAULT_FAILURE_MARKERS,
     HEADLESS_WORKER_JOINED,
@@ -329,6 +329,45 @@ def test_long_prompt_and_streaming_with_usage(plain_engine: Engine) -> None:
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+def test_ignore_eos_generates_up_to_max_tokens(plain_engine: Engine) -> None:
+    reply = chat(plain_engine, "What is 127*43?", max_tokens=40, ignore_eos=True)
+    assert reply["usage"]["completion_tokens"] == 40
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert (content_of(reply) or "").startswith("127 * 43 = 5461.")
+    assert chat(plain_engine, "What is 127*43?", max_tokens=40)["usage"]["completion_tokens"] < 40
+
+
+def test_metrics_carry_the_real_engines_names_and_count_what_was_served(
+    engines: Engines,
+) -> None:
+    """Every vllm:* sample name the stand-in exports is on the real vLLM 0.32 page
+    (tests/fixtures/vllm-0.32-cpu/metrics.txt), and the figures we read count the requests."""
+    from sparkdeploy.steps.smoke_test import SmokeSettings, chat_stream
+    from sparkdeploy.vllm.metrics import parse_metrics, parse_samples, scrape
+
+    engine = engines.start("--served-model-name", "tiny", "--block-size", "16")
+    engine.wait_ready()
+    real = REPO_ROOT / "tests" / "fixtures" / "vllm-0.32-cpu" / "metrics.txt"
+    real_names = {sample.name for sample in parse_samples(real.read_text())}
+    before = scrape(engine.url(""))
+    assert before.metrics is not None and before.metrics.missing == ()
+    settings = SmokeSettings(engine.url(""), "tiny", max_tokens=12, extra_body={"ignore_eos": True})
+    prompt = " ".join(f"word{index}" for index in range(40))  # 46 tokens with the template's
+    replies = [chat_stream(settings, f"r{index}", prompt) for index in range(3)]
+    page = get(engine.url("/metrics"))[1].decode()
+    ours = {sample.name for sample in parse_samples(page) if sample.name.startswith("vllm:")}
+    assert ours <= real_names, ours - real_names
+    activity = parse_metrics(page).minus(before.metrics)
+    assert activity.requests_finished == 3
+    assert activity.generation_tokens == 3 * 12
+    assert activity.prompt_tokens == sum(r.reply.usage["prompt_tokens"] for r in replies)
+    assert activity.ttft.count == 3 and activity.e2e.count == 3
+    assert activity.itl.count == 3 * (12 - 1)
+    # the prompt's 2 whole 16-token blocks are cached after the first request
+    assert activity.prefix_cache_hits == 2 * 2 * 16
+    assert activity.preemptions == 0
+
+
 def test_reasoning_parser_and_auto_tool_choice(engines: Engines) -> None:
     engine = engines.start(
         "--reasoning-parser", "glm45", "--enable-auto-tool-choice", "--tool-call-parser", "glm47"
@@ -402,7 +441,8 @@ def test_runs_from_a_flat_copy_as_in_the_image(engines: Engines, tmp_path: Path)
     flat.mkdir()
     for source in [
         *(REPO_ROOT / "lab" / "engine").glob("*.py"),
-        REPO_ROOT / "sparkdeploy" / "engram.py",
+        REPO_ROOT / "sparkdeploy" / "node" / "engram.py",
+        REPO_ROOT / "sparkdeploy" / "vllm" / "kv_cache.py",
         REPO_ROOT / "lab" / "tinymodel.py",
     ]:
         shutil.copy(source, flat / source.name)
@@ -837,6 +877,24 @@ def test_die_after_ready_turns_health_503_then_exits(engines: Engines) -> None:
     assert engine.wait_exit() == 0  # as vLLM: status 0 after the engine died
 
 
+def test_a_fault_once_dir_makes_a_switch_strike_the_first_engine_only(
+    engines: Engines, tmp_path: Path
+) -> None:
+    env = {
+        "STANDIN_FAULT": "die_after_ready:0.3",
+        "STANDIN_DEAD_EXIT_S": "1",
+        "STANDIN_FAULT_ONCE_DIR": str(tmp_path / "once"),
+    }
+    first = engines.start(env=env)
+    first.wait_ready()
+    assert first.wait_exit() == 0
+    assert (tmp_path / "once" / "die_after_ready").exists()
+    second = engines.start(env=env)
+    second.wait_ready()
+    assert "5461" in (content_of(chat(second, "What is 127*43?")) or "")
+    assert get(second.url("/health"))[0] == 200
+
+
 def test_unknown_fault_switch_is_refused() -> None:
     with pytest.raises(FaultSpecError, match="unknown switch 'explode'"):
         Faults.parse("explode", 0)
@@ -848,7 +906,7 @@ def test_unknown_fault_switch_is_refused() -> None:
 
 def test_repeats_a_sentence_word_for_word() -> None:
     from lab.engine.standin_answers import answer
-    from sparkdeploy.smoke import COPY_PROMPT, COPY_SENTENCE
+    from sparkdeploy.steps.smoke_test import COPY_PROMPT, COPY_SENTENCE
 
     assert answer(COPY_PROMPT) == COPY_SENTENCE
 
@@ -859,9 +917,9 @@ def test_an_api_key_guards_v1_as_vllm_does_and_the_probes_send_it(
 ) -> None:
     from pydantic import SecretStr
 
-    from sparkdeploy.gate import probe_completion, probe_endpoint
-    from sparkdeploy.smoke import SmokeSettings, chat_stream
-    from sparkdeploy.smoke import chat as smoke_chat
+    from sparkdeploy.steps.readiness_gate import probe_completion, probe_endpoint
+    from sparkdeploy.steps.smoke_test import SmokeSettings, chat_stream
+    from sparkdeploy.steps.smoke_test import chat as smoke_chat
 
     key = "k-" + where
     flags = ["--served-model-name", "tiny", "--max-model-len", "2048"]

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from sparkdeploy.engram import (
+from sparkdeploy.errors import EngramError
+from sparkdeploy.node.engram import (
     EngramGeometry,
     TensorInfo,
     is_prime,
@@ -18,7 +19,6 @@ from sparkdeploy.engram import (
     rank_byte_ranges,
     read_safetensors_header,
 )
-from sparkdeploy.errors import EngramError
 
 DSV41_TEXT_CONFIG: dict[str, Any] = {
     "engram_layer_ids": [1, 14],
@@ -253,7 +253,9 @@ def test_merge_ranges() -> None:
 
 
 def test_module_runs_alone_with_the_standard_library(tmp_path: Path) -> None:
-    shutil.copy(Path(__file__).parents[1] / "sparkdeploy" / "engram.py", tmp_path / "engram.py")
+    shutil.copy(
+        Path(__file__).parents[1] / "sparkdeploy" / "node" / "engram.py", tmp_path / "engram.py"
+    )
     probe = (
         "import engram, sys; "
         f"g = engram.EngramGeometry.from_config({{'text_config': {DSV41_TEXT_CONFIG!r}}}); "

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lab_flows import FAULT_MATRIX_TABLE, nothing_runs, recipe_variant
+from lab_flows import FAULT_MATRIX_TABLE, flow_process, nothing_runs, recipe_variant
 
 from flows.deploy import deploy
 from flows.smoke import smoke
@@ -56,14 +56,14 @@ from lab.prefect_local import (
     stop_worker,
 )
 from lab.tinymodel import EngramSpec, generate_repo
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import BootFailed, DeploymentDown, SmokeFailed
-from sparkdeploy.locks import holders, release_nodes
-from sparkdeploy.project import lab_root, load_plan
-from sparkdeploy.ssh import cached_connection, close_cached
-from sparkdeploy.status import cluster_status
-from sparkdeploy.targets import cluster_targets
-from sparkdeploy.teardown import teardown as remove_deployment
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.project import lab_root, load_plan
+from sparkdeploy.remote.ssh import cached_connection, close_cached
+from sparkdeploy.remote.targets import cluster_targets
+from sparkdeploy.steps.hold_nodes import holders, release_nodes
+from sparkdeploy.steps.status import cluster_status
+from sparkdeploy.steps.teardown import teardown as remove_deployment
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 
@@ -158,7 +158,7 @@ def matrix(lab_cluster: Lab, request: pytest.FixtureRequest) -> Iterator[Matrix]
 def short_retry_delays(monkeypatch: pytest.MonkeyPatch) -> None:
     """The retried tasks wait RETRY_DELAY_S between attempts, not their field schedules."""
     from tasks.compose_model import compose_models_on_nodes
-    from tasks.images import ensure_images
+    from tasks.image import ensure_images
     from tasks.prefetch import prefetch_repos
     from tasks.stage_engram import stage_engram_on_nodes
     from tasks.teardown import teardown_deployment
@@ -222,7 +222,9 @@ class Run:
         """The step's first failed attempt, which must name the node (or, for a step on the
         flow's host, what it failed on) and the cause (a regex); the flow's own failure, if
         it failed, must name both too."""
-        of_step = [a for a in self.attempts if re.fullmatch(rf"{step}-[0-9a-f]+", a.task_run)]
+        # A task run is named after its task: "image-1a2" or "readiness-gate <deployment>".
+        named = re.compile(rf"{re.escape(step)}(-[0-9a-f]+| .+)")
+        of_step = [a for a in self.attempts if named.fullmatch(a.task_run)]
         assert of_step, f"no failed attempt of {step}; failed: {self.attempts}"
         first = of_step[0]
         assert node in first.message, f"{step} does not name {node}: {first.message}"
@@ -1005,7 +1007,7 @@ FATAL_KINDS_OF_THE_REAL_ENGINE = {
 
 
 def test_the_matrix_has_every_fatal_line_kind_of_the_gate() -> None:
-    from sparkdeploy.vllm_markers import DEFAULT_FAILURE_MARKERS
+    from sparkdeploy.vllm.markers import DEFAULT_FAILURE_MARKERS
 
     covered = {
         *FATAL_KINDS.values(),
@@ -1205,12 +1207,13 @@ def test_a_worker_dead_after_ready_is_named_by_the_watchdog(
     assert run.failed
     error = run.error
     assert isinstance(error, DeploymentDown) and error.node == "node2", error
-    attempt = run.named("diagnose", node="node2", cause=error.kind)
+    attempt = run.named("health of", node="node2", cause=error.kind)
     teardown("lab-dsv41-3x", cluster=cluster)
     nothing_left(lab_cluster, cluster)
     matrix.record(
         f"worker dead after ready ({error.kind})",
-        "the smoke watchdog: a smoke check fails, diagnose reads the containers and head log",
+        "the smoke watchdog: a smoke check fails, its health step reads the containers and the"
+        " head's log",
         attempt.at - killed_at,
         BOUND_AT_ONCE_S,
         field_note="the watchdog runs every 30 minutes",
@@ -1367,7 +1370,7 @@ def worker(
         # every 10 s).
         "PREFECT_WORKER_QUERY_SECONDS": "1",
     }
-    register_deployments(env)
+    register_deployments(env, names=["deploy"])
     started = Worker(env, tmp_path_factory.mktemp("worker") / "worker.log")
     yield started
     if started.process is not None:
@@ -1411,17 +1414,6 @@ def booting(lab: Lab, cluster: str, worker: Worker) -> None:
         raise
 
 
-def flow_run_process(flow_run_id: str) -> int:
-    """The process the worker started for the flow run (its environment names the run)."""
-    wanted = f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if wanted in (entry / "environ").read_bytes().split(b"\0"):
-                    return int(entry.name)
-    raise AssertionError(f"no process runs flow run {flow_run_id}")
-
-
 def cancelled_mid_boot(lab: Lab, cluster: str, recipe: str, worker: Worker, matrix: Matrix) -> None:
     flow_run_id = worker.submit(recipe, cluster)
     booting(lab, cluster, worker)
@@ -1447,7 +1439,10 @@ def process_killed_mid_boot(
     flow_run_id = worker.submit(recipe, cluster)
     booting(lab, cluster, worker)
     killed_at = time.time()
-    os.kill(flow_run_process(flow_run_id), signal.SIGKILL)
+    process = wait_for(
+        "the flow run's process", lambda: flow_process(worker.running().pid, flow_run_id)
+    )
+    os.kill(process, signal.SIGKILL)
     assert wait_for_state(flow_run_id).is_crashed()
     said, at = logged(flow_run_id, "crashed: tore down")
     assert "node1" in said, said

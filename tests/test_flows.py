@@ -15,11 +15,11 @@ from flows.deploy import deploy
 from flows.prefetch_all import prefetch_all
 from lab.prefect_local import register_deployments, run_prefect, start_worker
 from lab.prefect_local import stop_worker as stop_prefect_worker
-from sparkdeploy import engine_http
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import RecipeBlocked
-from sparkdeploy.project import load_plan
-from sparkdeploy.status import cluster_status
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.project import load_plan
+from sparkdeploy.remote import engine_http
+from sparkdeploy.steps.status import cluster_status
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 

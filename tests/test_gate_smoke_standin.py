@@ -23,9 +23,15 @@ from hfcache_layout import cache_repo
 
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import BootFailed
-from sparkdeploy.gate import ExitStatus, GateEvent, GateResult, ReadinessGate, follow_lines
-from sparkdeploy.smoke import SmokeReport, SmokeSettings, run_smoke
-from sparkdeploy.vllm_markers import DEFAULT_FAILURE_MARKERS, Marker
+from sparkdeploy.steps.readiness_gate import (
+    ExitStatus,
+    GateEvent,
+    GateResult,
+    ReadinessGate,
+    follow_lines,
+)
+from sparkdeploy.steps.smoke_test import SmokeReport, SmokeSettings, run_smoke
+from sparkdeploy.vllm.markers import DEFAULT_FAILURE_MARKERS, Marker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STANDIN = REPO_ROOT / "lab" / "engine" / "vllm_standin.py"
@@ -210,3 +216,10 @@ def test_smoke_passes_on_a_good_engine(engines: Engines) -> None:
     assert report.passed, report.table_rows()
     streaming = report.check("streaming").figures
     assert streaming["ttft_s"] > 0 and streaming["decode_tok_s"] > 0
+    # the engine's /metrics beside our count of the same requests
+    engine = {figure.name: figure for figure in report.engine}
+    for name in ("prompt_tokens", "generation_tokens", "requests_finished"):
+        assert engine[name].engine == engine[name].ours, engine[name]
+    assert engine["prefix_cache_hit_rate"].engine > 0  # the burst repeats the canaries
+    assert engine["preemptions"].engine == 0
+    assert any(row["check"] == "engine /metrics: ttft_mean_s" for row in report.table_rows())

@@ -1,7 +1,8 @@
 """The lab hub, driven by huggingface_hub 2.4's own client on 127.0.0.1.
 
 Every client call names endpoint=hub.url and token explicitly, so no request leaves loopback
-and no token from the environment is sent.
+and no token from the environment is sent. The hub and its storage host listen on two ports of
+127.0.0.1: two origins, as huggingface.co and its LFS storage are.
 """
 
 import filecmp
@@ -33,7 +34,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import disable_progress_bars
 
-from lab.hub import HubServer
+from lab.hub import HUB, STORAGE, HubControl, HubServer, fingerprint
 from lab.tinymodel import EngramSpec, GeneratedRepo, generate_repo
 
 TOKEN = "hf_lab_gate_token"
@@ -61,13 +62,24 @@ def hub(repos_dir: Path) -> Iterator[HubServer]:
         yield server
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 def request(
-    url: str, *, method: str = "GET", body: object = None, headers: dict[str, str] | None = None
+    url: str,
+    *,
+    method: str = "GET",
+    body: object = None,
+    headers: dict[str, str] | None = None,
+    follow: bool = True,
 ) -> tuple[int, dict[str, str], bytes]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    opener = urllib.request.build_opener(*([] if follow else [_NoRedirects()]))
     try:
-        with urllib.request.urlopen(req, timeout=10) as response:
+        with opener.open(req, timeout=10) as response:
             return response.status, dict(response.headers), response.read()
     except urllib.error.HTTPError as error:
         return error.code, dict(error.headers), error.read()
@@ -169,10 +181,15 @@ def test_slow_bytes_still_deliver_the_file(hub: HubServer, tmp_path: Path) -> No
     assert hub.faults().slow_bytes_per_s is None
 
 
-def test_unknown_repo_revision_and_file_are_404s(hub: HubServer, tmp_path: Path) -> None:
-    with pytest.raises(RepositoryNotFoundError) as missing_repo:
+def test_unknown_repo_revision_and_file(hub: HubServer, tmp_path: Path) -> None:
+    # Anonymously a missing repo is 401 (the hub does not tell whether a private one exists).
+    with pytest.raises(RepositoryNotFoundError) as anonymous:
         snapshot_download("lab/nope", cache_dir=tmp_path, endpoint=hub.url, token=False)
-    assert missing_repo.value.response.status_code == 404
+    assert anonymous.value.response.status_code == 401
+    with pytest.raises(RepositoryNotFoundError) as authenticated:
+        snapshot_download("lab/nope", cache_dir=tmp_path, endpoint=hub.url, token=TOKEN)
+    assert authenticated.value.response.status_code == 404
+    assert authenticated.value.response.headers["X-Error-Code"] == "RepoNotFound"
     with pytest.raises(RevisionNotFoundError):
         snapshot_download(
             "lab/tiny", revision="v9", cache_dir=tmp_path, endpoint=hub.url, token=False
@@ -181,15 +198,30 @@ def test_unknown_repo_revision_and_file_are_404s(hub: HubServer, tmp_path: Path)
         hf_hub_download("lab/tiny", "nope.json", cache_dir=tmp_path, endpoint=hub.url, token=False)
 
 
+def test_a_token_that_is_no_hub_token_is_refused_everywhere(hub: HubServer, tmp_path: Path) -> None:
+    status, headers, _ = request(
+        f"{hub.url}/api/models/lab/tiny", headers={"Authorization": "Bearer not-a-token"}
+    )
+    assert (status, headers["X-Error-Message"]) == (
+        401,
+        "Invalid credentials in Authorization header",
+    )
+
+
 def test_gated_repo_needs_the_token(hub: HubServer, tmp_path: Path) -> None:
     with pytest.raises(GatedRepoError) as anonymous:
         snapshot_download("lab/gated", cache_dir=tmp_path, endpoint=hub.url, token=False)
     assert anonymous.value.response.status_code == 401
+    assert "Please log in" in anonymous.value.response.headers["X-Error-Message"]
     with pytest.raises(GatedRepoError) as wrong:
         hf_hub_download(
             "lab/gated", "config.json", cache_dir=tmp_path, endpoint=hub.url, token="hf_wrong"
         )
     assert wrong.value.response.status_code == 403
+    assert wrong.value.response.headers["X-Error-Message"] == (
+        "Access to model lab/gated is restricted and you are not in the authorized list."
+        f" Visit {hub.url}/lab/gated to ask for access."
+    )
     snapshot = snapshot_download("lab/gated", cache_dir=tmp_path, endpoint=hub.url, token=TOKEN)
     assert (Path(snapshot) / "config.json").is_file()
     info = HfApi(endpoint=hub.url, token=False).model_info("lab/gated")
@@ -222,10 +254,73 @@ def test_range_requests(hub: HubServer, tiny: GeneratedRepo) -> None:
     assert headers["X-Repo-Commit"] == hub.repo_sha("lab/tiny")
     assert headers["Content-Length"] == str(len(content))
     assert "X-Linked-Etag" not in headers
-    shard_url = f"{hub.url}/lab/tiny/resolve/main/model-00001-of-00005.safetensors"
-    _, shard_headers, _ = request(shard_url, method="HEAD")
-    assert shard_headers["X-Linked-Size"] == shard_headers["Content-Length"]
-    assert shard_headers["X-Linked-Etag"] == shard_headers["ETag"]
+    # An LFS file is a redirect to the storage host, which answers ranges too.
+    shard = "model-00001-of-00005.safetensors"
+    data = (tiny.path / shard).read_bytes()
+    status, headers, _ = request(
+        f"{hub.url}/lab/tiny/resolve/main/{shard}", method="HEAD", follow=False
+    )
+    assert status == 302 and headers["Location"].startswith(f"{hub.storage_url}/lfs/lab/tiny/")
+    status, headers, body = request(headers["Location"], headers={"Range": "bytes=100-199"})
+    assert (status, body) == (206, data[100:200])
+    assert headers["Content-Range"] == f"bytes 100-199/{len(data)}"
+
+
+def test_an_lfs_file_is_redirected_to_storage_with_its_metadata(
+    hub: HubServer, tiny: GeneratedRepo
+) -> None:
+    shard = "model-00001-of-00005.safetensors"
+    data = (tiny.path / shard).read_bytes()
+    sha256 = hashlib.sha256(data).hexdigest()
+    for method in ("HEAD", "GET"):
+        status, headers, _ = request(
+            f"{hub.url}/lab/tiny/resolve/main/{shard}", method=method, follow=False
+        )
+        assert status == 302, method
+        assert headers["X-Linked-Size"] == str(len(data))
+        assert headers["X-Linked-Etag"] == f'"{sha256}"'
+        assert headers["X-Repo-Commit"] == hub.repo_sha("lab/tiny")
+        assert headers["ETag"] != headers["X-Linked-Etag"]  # the git blob id of the pointer
+    location = headers["Location"]
+    status, headers, body = request(location)
+    assert (status, body, headers["ETag"]) == (200, data, f'"{sha256}"')
+    # Signed: a changed signature, or the same path without one, is refused.
+    assert request(location[:-4] + "0000")[0] == 403
+    assert request(location.split("?")[0])[0] == 403
+    assert request(location.replace(sha256, "0" * 64))[0] == 403
+    assert hub.bytes_served == len(data)
+
+
+def test_the_token_reaches_the_hub_and_never_the_storage_host(
+    hub: HubServer, repos_dir: Path, tmp_path: Path
+) -> None:
+    snapshot = snapshot_download("lab/gated", cache_dir=tmp_path, endpoint=hub.url, token=TOKEN)
+    for name in ("config.json", "model-00001-of-00002.safetensors"):
+        assert filecmp.cmp(Path(snapshot) / name, repos_dir / "lab" / "gated" / name, False)
+    by_origin = hub.authorization_by_origin()
+    assert by_origin == {HUB: [fingerprint(f"Bearer {TOKEN}")], STORAGE: []}
+    storage_gets = [r for r in hub.requests() if r.origin == STORAGE and r.method == "GET"]
+    assert storage_gets and all(r.status == 200 for r in storage_gets)
+    assert TOKEN not in json.dumps(hub.stats())
+
+
+def test_429_carries_retry_after_and_the_client_retries(hub: HubServer, tmp_path: Path) -> None:
+    hub.rate_limit(1, retry_after_s=1)
+    status, headers, _ = request(f"{hub.url}/api/models/lab/tiny")
+    assert (status, headers["Retry-After"]) == (429, "1")
+    assert headers["RateLimit"] == '"api";r=0;t=1'
+    hub.rate_limit(1, retry_after_s=1)
+    path = hf_hub_download(
+        "lab/tiny", "config.json", cache_dir=tmp_path, endpoint=hub.url, token=False
+    )
+    assert Path(path).read_bytes() == (hub.repos_dir / "lab" / "tiny" / "config.json").read_bytes()
+    # The API call's 429, then the download's: its HEAD retried once the wait was over.
+    assert [(r.method, r.status) for r in hub.requests()] == [
+        ("GET", 429),
+        ("HEAD", 429),
+        ("HEAD", 200),
+        ("GET", 200),
+    ]
 
 
 def test_faults_over_http(hub: HubServer) -> None:
@@ -240,9 +335,16 @@ def test_faults_over_http(hub: HubServer) -> None:
     assert json.loads(request(faults, method="POST", body={"reset": True})[2]) == {
         "fail_remaining": 0,
         "fail_status": 503,
+        "retry_after_s": None,
         "cut_after_bytes": None,
         "slow_bytes_per_s": None,
     }
+    status, _, body = request(
+        faults, method="POST", body={"fail_next": 1, "status": 429, "retry_after": 3}
+    )
+    assert json.loads(body)["retry_after_s"] == 3
+    status, headers, _ = request(info)
+    assert (status, headers["Retry-After"]) == (429, "3")
     status, _, body = request(faults, method="POST", body={"fail_nxt": 1})
     assert status == 400 and b"unknown fault keys ['fail_nxt']" in body
     status, _, body = request(faults, method="POST", body={"fail_next": "2"})
@@ -280,8 +382,15 @@ def test_command_line_server(repos_dir: Path) -> None:
         assert process.stdout is not None
         started: dict[str, Any] = json.loads(process.stdout.readline())
         assert started["pid"] == process.pid
+        assert started["storage_url"] != started["url"]
         status, _, body = request(f"{started['url']}/api/models/lab/tiny/revision/main")
         assert status == 200 and json.loads(body)["id"] == "lab/tiny"
+        control = HubControl(started["url"])
+        assert control.set_faults(fail_next=1, status=429).fail_status == 429
+        assert request(f"{started['url']}/api/models/lab/tiny")[0] == 429
+        assert [(r.origin, r.status) for r in control.requests()] == [(HUB, 200), (HUB, 429)]
+        control.reset_stats()
+        assert control.stats()["requests"] == 0
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=10) == 0

@@ -23,8 +23,8 @@ from hfcache_layout import cache_repo
 from lab.cluster import Lab
 from lab.layout import FABRIC_NETDEV
 from lab.tinymodel import generate_repo
-from sparkdeploy.cluster import load_cluster
-from sparkdeploy.ssh import Connection, cached_connection, connect, on_all
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.remote.ssh import Connection, cached_connection, connect, on_all
 
 pytestmark = pytest.mark.lab
 

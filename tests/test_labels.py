@@ -9,22 +9,22 @@ from pathlib import Path
 import pytest
 
 from lab.cluster import Lab
-from sparkdeploy.boot import stop_stale
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import BootError, SparkDeployError, TeardownError
-from sparkdeploy.labels import (
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.labels import (
     DEPLOYMENT_LABEL,
     NODE_LABEL,
     RANK_LABEL,
     RECIPE_LABEL,
     label_problems,
 )
-from sparkdeploy.plan import deployment_id, make_plan
-from sparkdeploy.project import find_recipe, find_recipe_by_name
-from sparkdeploy.recipe import load_recipe
-from sparkdeploy.ssh import cached_connection
-from sparkdeploy.status import cluster_status
-from sparkdeploy.teardown import remove_labelled, teardown
+from sparkdeploy.model.plan import deployment_id, make_plan
+from sparkdeploy.model.project import find_recipe, find_recipe_by_name
+from sparkdeploy.model.recipe import load_recipe
+from sparkdeploy.remote.ssh import cached_connection
+from sparkdeploy.steps.boot import stop_stale
+from sparkdeploy.steps.status import cluster_status
+from sparkdeploy.steps.teardown import remove_labelled, teardown
 
 
 def _labels(

@@ -1,4 +1,4 @@
-"""sparkdeploy.node_probe: which docker it asks and how, and that both ways answer alike."""
+"""sparkdeploy.node.probe: which docker it asks and how, and that both ways answer alike."""
 
 from __future__ import annotations
 
@@ -11,15 +11,19 @@ from pathlib import Path
 import pytest
 
 from lab.cluster import Lab
-from sparkdeploy.docker_remote import DEPLOYMENT_LABEL, probe_script
-from sparkdeploy.node_probe import (
+from sparkdeploy.node import probe as node_probe
+from sparkdeploy.node.probe import (
     DEFAULT_DOCKER_SOCKET,
     EngineApi,
+    check_memory,
     docker_socket,
+    gpu_processes,
+    parse_compute_apps,
     quote,
 )
-from sparkdeploy.node_script import last_json_line, python_argv
-from sparkdeploy.ssh import cached_connection
+from sparkdeploy.remote.docker_cli import DEPLOYMENT_LABEL, probe_script
+from sparkdeploy.remote.node_script import last_json_line, python_argv
+from sparkdeploy.remote.ssh import cached_connection
 
 
 def test_the_socket_is_the_one_the_docker_cli_would_use(tmp_path: Path) -> None:
@@ -155,6 +159,8 @@ def test_engine_api_and_cli_answer_alike_on_a_node(lab_cluster: Lab, lab_engine_
             "gpus": False,
             "fabric_ip": None,
             "detect_rdma": False,
+            "unified_memory": False,
+            "required_free_bytes": 1 << 30,
             "drop_page_cache": False,
             "stale_label": label,
         }
@@ -167,6 +173,13 @@ def test_engine_api_and_cli_answer_alike_on_a_node(lab_cluster: Lab, lab_engine_
             assert len(answer["stale_containers"]) == 1  # type: ignore[arg-type]
         for key in ("image", "stale_containers"):
             assert through_api[key] == through_cli[key]
+        # The lab's nodes have no nvidia-smi: the GPU process check says so, and is skipped.
+        assert through_api["gpu_processes"] == {
+            "checked": False,
+            "reason": "nvidia-smi is not installed on this node",
+        }
+        memory = through_api["memory"]
+        assert isinstance(memory, dict) and 0 < memory["free"] <= memory["total"]
         api_docker, cli_docker = through_api["docker"], through_cli["docker"]
         assert isinstance(api_docker, dict) and isinstance(cli_docker, dict)
         assert api_docker["version"] == cli_docker["version"]
@@ -181,3 +194,109 @@ def test_engine_api_and_cli_answer_alike_on_a_node(lab_cluster: Lab, lab_engine_
         connection.run(["docker", "rm", "--force", "probe-labelled"], timeout=60, check=False)
         connection.run(["docker", "context", "rm", "--force", "probe-cli"], timeout=60, check=False)
         connection.run(["rm", "-r", "/var/tmp/probe-made"], timeout=60, check=False)
+
+
+# nvidia-smi's answer to --query-compute-apps=pid,process_name,used_memory --format=csv, in the
+# form it prints (a header naming used_gpu_memory [MiB], then one row a process; `[N/A]` where
+# the driver does not count a process's memory).
+COMPUTE_APPS_CSV = """\
+pid, process_name, used_gpu_memory [MiB]
+3858903, VLLM::EngineCore, 6265 MiB
+44966, /opt/tritonserver/backends/python/triton_python_backend_stub, 974 MiB
+5121, /usr/bin/python3 -m serve, with, commas, [N/A]
+"""
+
+
+def test_the_compute_apps_csv_of_nvidia_smi_is_read_row_by_row() -> None:
+    assert parse_compute_apps(COMPUTE_APPS_CSV) == [
+        {"pid": 3858903, "name": "VLLM::EngineCore", "used_bytes": 6265 << 20},
+        {
+            "pid": 44966,
+            "name": "/opt/tritonserver/backends/python/triton_python_backend_stub",
+            "used_bytes": 974 << 20,
+        },
+        {"pid": 5121, "name": "/usr/bin/python3 -m serve, with, commas", "used_bytes": None},
+    ]
+    assert parse_compute_apps("pid, process_name, used_gpu_memory [MiB]\n") == []
+
+
+def test_gpu_processes_are_asked_of_nvidia_smi_where_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpu_processes() == {
+        "checked": False,
+        "reason": "nvidia-smi is not installed on this node",
+    }
+    stand_in = tmp_path / "nvidia-smi"
+    stand_in.write_text(
+        f'#!/bin/sh\n[ "$1" = --query-compute-apps=pid,process_name,used_memory ] && '
+        f"[ \"$2\" = --format=csv ] || exit 9\ncat <<'END'\n{COMPUTE_APPS_CSV}END\n"
+    )
+    stand_in.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    answer = gpu_processes()
+    assert answer["checked"] and [p["pid"] for p in answer["processes"]] == [3858903, 44966, 5121]
+
+
+def _meminfo(path: Path, free_kb: int, cached_kb: int) -> None:
+    path.write_text(
+        f"MemTotal:       124540000 kB\nMemFree:        {free_kb} kB\n"
+        f"MemAvailable:   {free_kb + cached_kb} kB\nBuffers:           10000 kB\n"
+        f"Cached:         {cached_kb} kB\nShmem:             20000 kB\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("unified", "allowed", "free_gib", "dropped"),
+    [
+        (True, True, 90, True),  # short, unified, allowed: dropped
+        (True, True, 115, False),  # enough free already
+        (True, False, 90, False),  # the inventory does not allow it
+        (False, True, 90, False),  # the page cache is available to a host engine anyway
+    ],
+)
+def test_the_page_cache_is_dropped_only_when_it_stands_in_the_way(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    unified: bool,
+    allowed: bool,
+    free_gib: int,
+    dropped: bool,
+) -> None:
+    meminfo = tmp_path / "meminfo"
+    _meminfo(meminfo, free_gib << 20, 20 << 20)
+    drops: list[int] = []
+
+    def drop() -> None:
+        drops.append(1)
+        _meminfo(meminfo, (free_gib + 20) << 20, 0)
+
+    monkeypatch.setattr(node_probe, "drop_page_cache", drop)
+    request = {
+        "unified_memory": unified,
+        "required_free_bytes": 110 << 30,
+        "drop_page_cache": allowed,
+    }
+    answer = check_memory(request, str(meminfo))
+    assert answer["page_cache_dropped"] is dropped and len(drops) == int(dropped)
+    if dropped:
+        assert answer["memory_before_drop"]["free"] == free_gib << 30
+        assert answer["memory_before_drop"]["page_cache"] == (20 << 30) + (10000 - 20000) * 1024
+        assert answer["memory"]["free"] == (free_gib + 20) << 30
+    else:
+        assert answer["memory"]["free"] == free_gib << 30
+
+
+def test_a_refused_drop_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    meminfo = tmp_path / "meminfo"
+    _meminfo(meminfo, 90 << 20, 20 << 20)
+
+    def refused() -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(node_probe, "drop_page_cache", refused)
+    request = {"unified_memory": True, "required_free_bytes": 110 << 30, "drop_page_cache": True}
+    answer = check_memory(request, str(meminfo))
+    assert not answer["page_cache_dropped"]
+    assert "Permission denied" in answer["page_cache_error"]

@@ -8,7 +8,7 @@ from types import ModuleType
 
 from local_node import NODE_ENV
 
-from sparkdeploy.node_script import build_node_script, python_argv
+from sparkdeploy.remote.node_script import build_node_script, python_argv
 
 GREETER = """\
 import sys

@@ -1,4 +1,4 @@
-"""sparkdeploy.prefetch: manifest, lock, free space and verification without a hub; then the
+"""sparkdeploy.steps.prefetch: manifest, lock, free space and verification without a hub; then the
 whole prefetch against the lab hub on loopback."""
 
 from __future__ import annotations
@@ -6,27 +6,28 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx2
 import huggingface_hub
 import pytest
-from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import hf_raise_for_status
 
 from lab.engine.standin_model import load_model
-from lab.hub import HubServer, RequestRecord
+from lab.hub import HUB, STORAGE, HubServer, RequestRecord, fingerprint
 from lab.tinymodel import generate_repo
-from sparkdeploy import blobfetch
-from sparkdeploy import prefetch as pf
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
+from sparkdeploy.remote import blobfetch
+from sparkdeploy.steps import prefetch as pf
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 REPO = "lab-org/tiny"
@@ -243,27 +244,129 @@ def test_lock_wait_gives_up_with_a_clear_error(tmp_path: Path) -> None:
         first.join()
 
 
-def http_error(cls: type[HfHubHTTPError], status: int) -> HfHubHTTPError:
+def http_error(status: int, **headers: str) -> HfHubHTTPError:
+    """What huggingface_hub raises for a hub answer: headers as the hub sends them (X-Error-Code
+    as X_Error_Code)."""
     request = httpx2.Request("GET", "http://127.0.0.1:1/api/models/org/x")
-    return cls(f"{status} error", response=httpx2.Response(status, request=request))
+    response = httpx2.Response(
+        status,
+        request=request,
+        headers={name.replace("_", "-"): value for name, value in headers.items()},
+    )
+    try:
+        hf_raise_for_status(response)
+    except HfHubHTTPError as error:
+        return error
+    raise AssertionError(f"HTTP {status} raised nothing")
+
+
+ANONYMOUS = pf.HubAccess("http://127.0.0.1:1")
+WITH_TOKEN = pf.HubAccess("http://127.0.0.1:1", token="hf_x", token_source="HF_TOKEN")
 
 
 @pytest.mark.parametrize(
-    ("error", "kind", "words"),
+    ("error", "hub", "kind", "words"),
     [
-        (http_error(GatedRepoError, 403), PrefetchError, ["org/x@main is gated", "hf-token"]),
-        (http_error(RepositoryNotFoundError, 401), PrefetchError, ["HTTP 401", "HF_TOKEN"]),
-        (http_error(RepositoryNotFoundError, 404), PrefetchError, ["org/x@main not found"]),
-        (http_error(HfHubHTTPError, 503), TransientPrefetchError, ["HTTP 503", "retry later"]),
-        (httpx2.ConnectError("Connection refused"), TransientPrefetchError, ["cannot reach"]),
+        (
+            http_error(401, X_Error_Code="GatedRepo"),
+            ANONYMOUS,
+            PrefetchError,
+            [
+                "org/x@main is a gated repo",
+                "no token was sent",
+                "accept the licence at http://127.0.0.1:1/org/x",
+                "set HF_TOKEN (or the Prefect Secret block 'hf-token')",
+            ],
+        ),
+        (
+            http_error(403, X_Error_Code="GatedRepo"),
+            WITH_TOKEN,
+            PrefetchError,
+            ["HTTP 403 GatedRepo", "the token from HF_TOKEN has no access", "licence"],
+        ),
+        (
+            http_error(401, X_Error_Code="RepoNotFound"),
+            ANONYMOUS,
+            PrefetchError,
+            ["org/x@main not found", "HTTP 401 RepoNotFound", "repo name", "HF_TOKEN"],
+        ),
+        (
+            http_error(404, X_Error_Code="RepoNotFound"),
+            WITH_TOKEN,
+            PrefetchError,
+            ["org/x@main not found", "the token from HF_TOKEN cannot read it"],
+        ),
+        (
+            http_error(404, X_Error_Code="RevisionNotFound"),
+            ANONYMOUS,
+            PrefetchError,
+            ["org/x has no revision 'main'", "fix the revision pinned in the recipe"],
+        ),
+        (
+            http_error(401, X_Error_Message="Invalid credentials in Authorization header"),
+            WITH_TOKEN,
+            PrefetchError,
+            ["refused the token from HF_TOKEN", "revoked, expired or mistyped"],
+        ),
+        (http_error(503), ANONYMOUS, TransientPrefetchError, ["HTTP 503", "retry later"]),
+        (
+            http_error(429, Retry_After="7"),
+            ANONYMOUS,
+            TransientPrefetchError,
+            ["HTTP 429 for org/x@main with Retry-After: 7 s", "retry later"],
+        ),
+        (
+            http_error(429, Retry_After="900"),
+            ANONYMOUS,
+            TransientPrefetchError,
+            ["Retry-After: 900 s, longer than the 300 s a prefetch waits in place"],
+        ),
+        (
+            httpx2.ConnectError("Connection refused"),
+            ANONYMOUS,
+            TransientPrefetchError,
+            ["cannot reach"],
+        ),
     ],
 )
 def test_hub_errors_map_to_clear_errors_naming_the_repo(
-    error: Exception, kind: type[PrefetchError], words: list[str]
+    error: Exception, hub: pf.HubAccess, kind: type[PrefetchError], words: list[str]
 ) -> None:
     wrapped = OSError("wrapper")
     wrapped.__cause__ = error
-    mapped = pf._map_hub_error(wrapped, pf.RepoSpec("org/x"), pf.HubAccess("http://127.0.0.1:1"))
+    mapped = pf._map_hub_error(wrapped, pf.RepoSpec("org/x"), hub)
+    assert type(mapped) is kind
+    for word in words:
+        assert word in str(mapped)
+    assert "hf_x" not in str(mapped)
+
+
+def test_a_429s_wait_travels_with_the_error_and_survives_pickling() -> None:
+    mapped = pf._map_hub_error(http_error(429, Retry_After="7"), pf.RepoSpec("org/x"), ANONYMOUS)
+    assert isinstance(mapped, TransientPrefetchError)
+    assert pickle.loads(pickle.dumps(mapped)).retry_after_s == mapped.retry_after_s == 7.0
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "kind", "words"),
+    [
+        (
+            404,
+            "EntryNotFound",
+            PrefetchError,
+            ["w.safetensors is in the file list of commit", "lost the file", "pin another"],
+        ),
+        (404, "RevisionNotFound", TransientPrefetchError, ["force-push", "new head"]),
+        (401, "GatedRepo", PrefetchError, ["is a gated repo", "accept the licence"]),
+    ],
+)
+def test_download_refusals_name_the_file_and_the_fix(
+    status: int, code: str, kind: type[PrefetchError], words: list[str]
+) -> None:
+    download = pf._Download("w.safetensors", SHA, "http://127.0.0.1:1/org/x/resolve/sha/w")
+    mapped = pf._status_error(
+        status, pf.RepoSpec("org/x"), ANONYMOUS, error_code=code, download=download
+    )
     assert type(mapped) is kind
     for word in words:
         assert word in str(mapped)
@@ -393,7 +496,15 @@ def test_503_burst_during_the_download_is_retried_inside(hub: HubServer, nas: Pa
 
 
 def resolve_gets(hub: HubServer) -> list[RequestRecord]:
-    return [r for r in hub.requests() if r.method == "GET" and "/resolve/" in r.path]
+    """The GETs that answered with a file's bytes: a small file's from the hub, an LFS file's
+    from the storage host the hub redirected to."""
+    return [
+        r
+        for r in hub.requests()
+        if r.method == "GET"
+        and r.status in (200, 206)
+        and ("/resolve/" in r.path or r.origin == STORAGE)
+    ]
 
 
 def test_cut_mid_file_is_resumed_inside_the_call_from_the_exact_byte(
@@ -455,7 +566,7 @@ def test_a_killed_prefetch_process_is_resumed_from_its_partial(repos_dir: Path, 
     with HubServer(repos_dir) as hub:
         hub.slow(2 << 20)
         script = (
-            "import sys; from pathlib import Path; from sparkdeploy import prefetch as pf; "
+            "import sys; from pathlib import Path; from sparkdeploy.steps import prefetch as pf; "
             "pf.prefetch([pf.RepoSpec('lab-org/big')], Path(sys.argv[1]), "
             "pf.HubAccess(sys.argv[2], max_workers=1))"
         )
@@ -483,59 +594,21 @@ def test_a_killed_prefetch_process_is_resumed_from_its_partial(repos_dir: Path, 
     assert snapshot_matches_hub(outcome, repos_dir)
 
 
-class Redirector:
-    """An endpoint that answers every request with a redirect to the same path on `target`,
-    recording what it was sent (the way the hub sends LFS downloads to its CDN)."""
-
-    def __init__(self, target: str, status: int = 302) -> None:
-        self.received: list[tuple[str, bool]] = []
-        redirector = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:
-                redirector.received.append((self.path, "Authorization" in self.headers))
-                self.send_response(status)
-                self.send_header("Location", target + self.path)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
-
-    def __enter__(self) -> Redirector:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=10)
-
-
 def test_redirects_are_followed_and_the_token_never_leaves_the_hub_host(
     repos_dir: Path, nas: Path
 ) -> None:
-    with HubServer(repos_dir, host="127.0.0.2") as cdn, Redirector(cdn.url, 307) as front:
-        [outcome] = pf.prefetch(
-            [pf.RepoSpec(TINY)], nas, pf.HubAccess(front.url, token="hf_lab_token")
-        )
-        cdn_gets = resolve_gets(cdn)
+    generate_repo(repos_dir, "lab-org/gated", total_bytes=1 << 20, gated_tokens=["hf_good"])
+    with HubServer(repos_dir, storage_host="127.0.0.2") as hub:
+        outcome = fetch(hub, nas, repo="lab-org/gated", token="hf_good")
+        requests = hub.requests()
+        by_origin = hub.authorization_by_origin()
     assert snapshot_matches_hub(outcome, repos_dir)
-    front_gets = [authorized for path, authorized in front.received if "/resolve/" in path]
-    assert len(front_gets) == len(outcome.files) and all(front_gets)
-    assert len(cdn_gets) == len(outcome.files)
-    assert not any(r.authorized for r in cdn_gets)
+    lfs = [f for f in outcome.files if f.path.endswith(".safetensors")]
+    redirected = [r for r in requests if r.origin == HUB and r.status == 302]
+    stored = [r for r in requests if r.origin == STORAGE]
+    assert len(redirected) == len(stored) == len(lfs) > 0
+    assert all(r.authorized for r in redirected) and not any(r.authorized for r in stored)
+    assert by_origin == {HUB: [fingerprint("Bearer hf_good")], STORAGE: []}
 
 
 def test_the_cache_resolves_offline_exactly_as_huggingface_hub_writes_it(
@@ -565,6 +638,9 @@ def test_the_cache_resolves_offline_exactly_as_huggingface_hub_writes_it(
         assert Path(path).read_bytes() == (repos_dir / TINY / f.path).read_bytes()
     loaded = load_model(TINY, None, {"HF_HUB_CACHE": str(nas), "HF_HUB_OFFLINE": "1"})
     assert loaded.snapshot == Path(outcome.snapshot_dir) and loaded.shards
+    scanned = huggingface_hub.scan_cache_dir(nas)
+    assert scanned.warnings == []
+    assert [repo.repo_id for repo in scanned.repos] == [TINY]
 
 
 def resident_bytes(path: Path) -> int:
@@ -592,14 +668,55 @@ def test_unknown_repo_and_revision_are_clear_errors(hub: HubServer, nas: Path) -
 
 def test_gated_repo_names_the_repo_and_the_token_source(repos_dir: Path, nas: Path) -> None:
     generate_repo(repos_dir, "lab-org/gated", total_bytes=64 << 10, gated_tokens=["hf_good"])
+    storage = pf.storage_dir(nas, "lab-org/gated")
     with HubServer(repos_dir) as hub:
         with pytest.raises(PrefetchError, match="lab-org/gated") as anonymous:
             fetch(hub, nas, repo="lab-org/gated")
-        assert "no token is set" in str(anonymous.value) and "hf-token" in str(anonymous.value)
+        assert "no token was sent" in str(anonymous.value)
+        assert f"accept the licence at {hub.url}/lab-org/gated" in str(anonymous.value)
+        assert "'hf-token'" in str(anonymous.value)
         with pytest.raises(PrefetchError, match="has no access") as wrong:
             fetch(hub, nas, repo="lab-org/gated", token="hf_wrong")
         assert "hf_wrong" not in str(wrong.value)
+        assert not isinstance(wrong.value, TransientPrefetchError)
+        # Nothing of the refused downloads is left, least of all as complete.
+        assert not list(storage.rglob("*.incomplete"))
+        assert not list((storage / pf.MANIFEST_DIRNAME).glob("*.json"))
+        assert not [p for p in storage.rglob("*") if p.is_file() and "blobs" in p.parts]
         assert fetch(hub, nas, repo="lab-org/gated", token="hf_good").fetched_bytes > 0
+
+
+def test_a_429_is_waited_for_as_its_retry_after_says_then_the_prefetch_completes(
+    hub: HubServer, nas: Path, repos_dir: Path
+) -> None:
+    class RateLimitedDownloads(RecordingObserver):
+        """The hub rate-limits the first download request once the downloads begin."""
+
+        def on_message(self, message: str) -> None:
+            super().on_message(message)
+            if "fetching" in message:
+                hub.rate_limit(1, retry_after_s=1)
+
+    hub.rate_limit(1, retry_after_s=1)
+    observer = RateLimitedDownloads()
+    outcome = fetch(hub, nas, observer=observer)
+    assert snapshot_matches_hub(outcome, repos_dir)
+    assert [r.status for r in hub.requests()].count(429) == 2
+    waits = [m for m in observer.messages if "Retry-After" in m]
+    assert len(waits) == 2, observer.messages
+    assert "HTTP 429 for lab-org/tiny@main with Retry-After: 1 s" in waits[0]
+    assert (
+        "waiting the 1 s its Retry-After asks for, then asking again (attempt 2 of 5)" in waits[0]
+    )
+    assert "(Retry-After: 1 s); retrying from byte 0 in 1 s" in waits[1]
+
+
+def test_a_retry_after_longer_than_the_bound_is_not_waited_for(hub: HubServer, nas: Path) -> None:
+    hub.rate_limit(1, retry_after_s=600)
+    with pytest.raises(TransientPrefetchError, match="longer than the 300 s") as raised:
+        fetch(hub, nas)
+    assert raised.value.retry_after_s == 600
+    assert hub.request_count == 1
 
 
 def test_two_concurrent_prefetches_download_once(hub: HubServer, nas: Path) -> None:

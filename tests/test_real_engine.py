@@ -8,6 +8,7 @@ The start-up failures real vLLM has are each seen on a real boot: named, quoted,
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,14 +23,14 @@ from lab.cluster import Lab
 from lab.prefect_local import PROJECT_ROOT, register_deployments, run_prefect, start_worker
 from lab.prefect_local import stop_worker as stop_prefect_worker
 from lab.vllm_runtime import RealEngine
-from sparkdeploy import engine_http
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import BootFailed, SparkDeployError
-from sparkdeploy.project import load_plan
-from sparkdeploy.smoke import CANARIES
-from sparkdeploy.ssh import cached_connection, close_cached
-from sparkdeploy.status import cluster_status
-from sparkdeploy.targets import node_target
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.project import load_plan
+from sparkdeploy.remote import engine_http
+from sparkdeploy.remote.ssh import cached_connection, close_cached
+from sparkdeploy.remote.targets import node_target
+from sparkdeploy.steps.smoke_test import CANARIES
+from sparkdeploy.steps.status import cluster_status
 
 pytestmark = [pytest.mark.lab, pytest.mark.real_engine, pytest.mark.usefixtures("prefect_harness")]
 
@@ -115,6 +116,20 @@ def test_two_nodes_deploy_through_prefect_and_a_killed_worker_is_named(
     runs = load_cluster(Path(cluster)).nas.runs_dir
     kept = sorted(Path(runs, plan.deployment_id).rglob("*.log"))
     assert [log.name for log in kept if "node1" in log.name], kept
+    nothing_runs(cluster)
+
+
+def test_the_fit_check_estimates_the_kv_cache_the_real_engine_makes(cluster: str) -> None:
+    summary = deploy("real-lab-1x", cluster=cluster, skip=["smoke"])
+    teardown("real-lab-1x", cluster=cluster)
+    runs = Path(load_cluster(Path(cluster)).nas.runs_dir, summary.deployment_id)
+    head_log = max(runs.glob("node1*.log"), key=lambda path: path.stat().st_mtime).read_text()
+    logged = re.search(r"CPU KV cache size: ([\d,]+) tokens", head_log)
+    assert logged, head_log[-3000:]
+    assert summary.fit is not None
+    [node] = summary.fit.nodes
+    assert node.kv_tokens == int(logged.group(1).replace(",", ""))
+    assert node.verdict == "fits"
     nothing_runs(cluster)
 
 

@@ -13,14 +13,14 @@ import pytest
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
-from sparkdeploy import boot
 from sparkdeploy.cli import app
-from sparkdeploy.cluster import load_cluster
 from sparkdeploy.errors import BootError, RecipeError
-from sparkdeploy.plan import Plan, make_plan
-from sparkdeploy.recipe import load_recipe
-from sparkdeploy.secrecy import is_secret_name, redact
-from sparkdeploy.ssh import CommandResult
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.plan import Plan, make_plan
+from sparkdeploy.model.recipe import load_recipe
+from sparkdeploy.model.secrecy import is_secret_name, redact
+from sparkdeploy.remote.ssh import CommandResult
+from sparkdeploy.steps import boot
 
 ROOT = Path(__file__).parent.parent
 SINGLE = ROOT / "recipes" / "lab-single" / "recipe.toml"

@@ -1,4 +1,4 @@
-"""sparkdeploy.ssh against the lab's real sshd: quoting, exit codes, timeouts, stdin, Python
+"""sparkdeploy.remote.ssh against the lab's real sshd: quoting, exit codes, timeouts, stdin, Python
 sources, host-key checking, transient connect failures, fan-out and the connection cache."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from lab.cluster import Lab
 from sparkdeploy.errors import RemoteError, TransientRemoteError
-from sparkdeploy.ssh import Connection, cached_connection, close_cached, connect, on_all
+from sparkdeploy.remote.ssh import Connection, cached_connection, close_cached, connect, on_all
 
 pytestmark = pytest.mark.lab
 

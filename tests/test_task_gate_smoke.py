@@ -18,12 +18,12 @@ from readiness_lab import Deployment, lab_plan
 
 from lab.cluster import Lab
 from sparkdeploy.errors import BootFailed, SmokeFailed
-from sparkdeploy.gate import GateResult
-from sparkdeploy.plan import Plan
-from sparkdeploy.smoke import SmokeReport
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.steps.readiness_gate import GateResult
+from sparkdeploy.steps.smoke_test import SmokeReport
 from tasks.common import artifact_key
-from tasks.gate import readiness_gate
-from tasks.smoke import smoke_settings, smoke_test
+from tasks.readiness_gate import readiness_gate
+from tasks.smoke_test import smoke_settings, smoke_test
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 
@@ -108,8 +108,11 @@ def test_a_good_boot_writes_its_timeline_and_passes_the_smoke_test(
     assert "kv_cache_tokens=" in by_marker["kv_cache_size"]["figures"]
     assert float(by_marker["endpoint_ready"]["seconds"]) == result.ready_after_s
     smoke_rows = artifact_rows(artifact_key("smoke", plan.deployment_id))
-    assert [row["check"] for row in smoke_rows] == [check.name for check in report.checks]
-    assert {row["result"] for row in smoke_rows} == {"pass"}
+    check_rows = [row for row in smoke_rows if row["result"] != "info"]
+    assert [row["check"] for row in check_rows] == [check.name for check in report.checks]
+    assert {row["result"] for row in check_rows} == {"pass"}
+    engine_rows = [row["check"] for row in smoke_rows if row["result"] == "info"]
+    assert "engine /metrics: prompt_tokens" in engine_rows
 
 
 def test_a_failed_boot_still_has_its_timeline_and_is_not_retried(

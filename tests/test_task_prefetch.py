@@ -27,7 +27,7 @@ from prefect.states import State
 from lab.hub import HubServer
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import PrefetchError
-from sparkdeploy.prefetch import RepoOutcome, RepoSpec
+from sparkdeploy.steps.prefetch import RepoOutcome, RepoSpec
 from tasks.prefetch import FILES_ARTIFACT_KEY, PROGRESS_ARTIFACT_KEY, prefetch_repos
 
 TINY = "lab-org/tiny"

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.docker_remote import merge_timestamped
 from sparkdeploy.errors import TeardownError
-from sparkdeploy.teardown import _keep_log
+from sparkdeploy.remote.docker_cli import merge_timestamped
+from sparkdeploy.steps.teardown import _keep_log
 
 
 def test_streams_merge_by_timestamp_even_with_trimmed_fractions() -> None:

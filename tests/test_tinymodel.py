@@ -20,7 +20,7 @@ from lab.tinymodel import (
     tensor_bytes,
     write_tensor_bytes,
 )
-from sparkdeploy.engram import EngramGeometry, rank_byte_ranges, read_safetensors_header
+from sparkdeploy.node.engram import EngramGeometry, rank_byte_ranges, read_safetensors_header
 
 WEIGHT = "layers.1.engram.embed.weight"
 SCALE = "layers.1.engram.embed.scale"

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from sparkdeploy.errors import RecipeError
-from sparkdeploy.vllm_args import JSON_FLAGS, normalise_args
+from sparkdeploy.vllm.args import JSON_FLAGS, normalise_args
 
 
 def test_both_flag_forms_give_the_same_argv() -> None:

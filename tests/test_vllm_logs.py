@@ -16,8 +16,14 @@ import pytest
 import test_engine_standin as standin
 from test_engine_standin import Engine, Engines, free_port, node_flags
 
-from sparkdeploy.gate import BootWatch, ContainerExited, Failure, LogLine, classify_log
-from sparkdeploy.vllm_markers import (
+from sparkdeploy.steps.readiness_gate import (
+    BootWatch,
+    ContainerExited,
+    Failure,
+    LogLine,
+    classify_log,
+)
+from sparkdeploy.vllm.markers import (
     DEFAULT_BOOT_MARKERS,
     DEFAULT_RECORDED_MARKERS,
     HEADLESS_WORKER_JOINED,

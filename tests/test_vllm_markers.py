@@ -1,7 +1,7 @@
 """The distributed layer's fatal lines: each named with its hint, none on a healthy boot.
 
 Each line is built from its upstream format string (the source file is in the marker's comment
-in sparkdeploy/vllm_markers.py), with the prefix of the vLLM process that prints it.
+in sparkdeploy/vllm/markers.py), with the prefix of the vLLM process that prints it.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.gate import BootWatch, LogLine, classify_log
-from sparkdeploy.vllm_markers import DEFAULT_FAILURE_MARKERS, FAILURE_HINTS
+from sparkdeploy.steps.readiness_gate import BootWatch, LogLine, classify_log
+from sparkdeploy.vllm.markers import DEFAULT_FAILURE_MARKERS, FAILURE_HINTS
 
 LOGS = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu"
 WORKER = "(Worker_TP1 pid=412) ERROR 12-03 12:41:20 [multiproc_executor.py:1063]"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.cluster import load_cluster
-from sparkdeploy.docker_remote import ContainerInfo
-from sparkdeploy.plan import Plan, make_plan
-from sparkdeploy.recipe import load_recipe
-from sparkdeploy.watchdog import NodeState, diagnose
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.plan import Plan, make_plan
+from sparkdeploy.model.recipe import load_recipe
+from sparkdeploy.remote.docker_cli import ContainerInfo
+from sparkdeploy.steps.watchdog import NodeState, diagnose
 
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32-cpu"

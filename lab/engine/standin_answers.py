@@ -146,6 +146,17 @@ def garble(text: str) -> str:
     return re.sub(r"\d", lambda m: str((int(m.group(0)) + 7) % 10), swapped)
 
 
+def past_eos(text: str, budget: int) -> str:
+    """The text and what a model writes after it when its end-of-sequence token is ignored
+    (a request's `ignore_eos`): more sentences, past `budget` tokens, so max_tokens ends it."""
+    parts = [text] if text else []
+    step = 0
+    while sum(count_tokens(part) for part in parts) <= budget:
+        parts.append(REASONING_STEPS[step % len(REASONING_STEPS)])
+        step += 1
+    return " ".join(parts)
+
+
 def token_loop(budget: int) -> str:
     """A degenerate repetition like a broken FP4 MoE kernel's: one phrase until max_tokens."""
     phrase = " of the"

@@ -13,6 +13,7 @@ import socket
 import socketserver
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +27,14 @@ except ImportError:  # copied flat into the engine image
     from standin_log import VLLM_VERSION, Logger  # type: ignore[no-redef]
 
 LONG_PROMPT_TOKENS = 64
+# vLLM 0.32's default buckets (vllm/v1/metrics/loggers.py, histogram_buckets; as a real engine
+# exports them in tests/fixtures/vllm-0.32-cpu/metrics.txt).
+TTFT_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5)
+TTFT_BUCKETS += (0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
+ITL_BUCKETS += (0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS: tuple[float, ...] = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0)
+E2E_BUCKETS += (30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")  # vLLM 0.32's, behind an API key
 # Cap on generated tokens when a request sets no max_tokens (a loop must end somewhere).
 DEFAULT_MAX_TOKENS = 512
@@ -43,6 +52,7 @@ class ServingConfig:
     block_size: int
     kv_cache_tokens: int
     token_delay_s: float
+    prefix_caching: bool = True  # vLLM V1's default; --no-enable-prefix-caching turns it off
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,61 @@ class OutputFaults:
 
 
 @dataclass
+class Histogram:
+    """A Prometheus histogram: one count per bucket (not cumulative here), sum, count."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        index = next((i for i, le in enumerate(self.bounds) if value <= le), len(self.bounds))
+        self.counts[index] += 1
+        self.total += value
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        counts = self.counts or [0] * (len(self.bounds) + 1)
+        cumulative = 0
+        out = []
+        for le, count in zip((*(f"{b}" for b in self.bounds), "+Inf"), counts, strict=True):
+            cumulative += count
+            out.append(f'{name}_bucket{{{labels},le="{le}"}} {float(cumulative)}')
+        out.append(f"{name}_count{{{labels}}} {float(cumulative)}")
+        out.append(f"{name}_sum{{{labels}}} {self.total}")
+        return out
+
+
+@dataclass
+class PrefixCache:
+    """Full blocks of prompt tokens seen before, as vLLM's prefix cache hashes them (a block's
+    hash chains its predecessor's), least recently used first out."""
+
+    block_size: int
+    capacity_blocks: int
+    blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def lookup(self, prompt_tokens: list[str]) -> int:
+        """Tokens of the prompt found cached (whole leading blocks; never the last token, which
+        the engine computes anyway); the prompt's blocks are cached afterwards."""
+        hits, parent, cached = 0, 0, True
+        full = (len(prompt_tokens) - 1) // self.block_size
+        for index in range(full):
+            block = prompt_tokens[index * self.block_size : (index + 1) * self.block_size]
+            parent = hash((parent, *block))
+            if cached and parent in self.blocks:
+                hits += self.block_size
+                self.blocks.move_to_end(parent)
+            else:
+                cached = False
+                self.blocks[parent] = None
+                if len(self.blocks) > self.capacity_blocks:
+                    self.blocks.popitem(last=False)
+        return hits
+
+
+@dataclass
 class EngineState:
     config: ServingConfig
     faults: OutputFaults
@@ -66,8 +131,19 @@ class EngineState:
     running: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     finished: dict[str, int] = field(default_factory=dict)
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    prefix_cache: PrefixCache | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.config.prefix_caching and self.prefix_cache is None:
+            blocks = max(1, self.config.kv_cache_tokens // self.config.block_size)
+            self.prefix_cache = PrefixCache(self.config.block_size, blocks)
 
 
 class ApiError(Exception):
@@ -156,6 +232,9 @@ def generate(
         text = answers.answer(prompt_text)
         if bad:
             text = answers.garble(text)
+    if body.get("ignore_eos"):
+        # vLLM's sampling extra: generate until max_tokens, past the end of the answer
+        text = answers.past_eos(text, budget_left)
     pieces = answers.tokens(text)
     finish = "stop"
     if len(pieces) > budget_left:
@@ -169,6 +248,9 @@ def generate(
 class StandinServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # uvicorn's listen backlog (its --backlog, default 2048), which vLLM's API server keeps;
+    # socketserver's 5 resets connections when a benchmark opens many at once.
+    request_queue_size = 2048
 
     def __init__(self, address: tuple[str, int]) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
@@ -292,6 +374,17 @@ class ApiHandler(BaseHTTPRequestHandler):
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{{{label}}} 0.0",
+            "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of "
+            "queried tokens.",
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{{{label}}} {float(state.prefix_cache_queries)}",
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached "
+            "tokens.",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{{{label}}} {float(state.prefix_cache_hits)}",
+            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
+            "# TYPE vllm:num_preemptions_total counter",
+            f"vllm:num_preemptions_total{{{label}}} 0.0",  # the stand-in never runs out of KV
             "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
             "# TYPE vllm:prompt_tokens_total counter",
             f"vllm:prompt_tokens_total{{{label}}} {float(state.prompt_tokens)}",
@@ -306,6 +399,26 @@ class ApiHandler(BaseHTTPRequestHandler):
             lines.append(
                 f'vllm:request_success_total{{{label},finished_reason="{reason}"}} {count}'
             )
+        for name, help_text, histogram in (
+            (
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                state.ttft,
+            ),
+            (
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                state.itl,
+            ),
+            (
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                state.e2e,
+            ),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+            with state.lock:
+                lines += histogram.lines(name, label)
         lines += [
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
             "# TYPE vllm:cache_config_info gauge",
@@ -337,6 +450,7 @@ class ApiHandler(BaseHTTPRequestHandler):
                 state.running -= 1
 
     def _complete(self, chat: bool, raw: bytes) -> None:
+        arrived = time.monotonic()
         state, config = self.state, self.state.config
         if state.dead:
             raise ApiError(
@@ -364,16 +478,32 @@ class ApiHandler(BaseHTTPRequestHandler):
                 if isinstance(m, Mapping) and m.get("role") == "user"
             ]
             prompt_text = users[-1] if users else texts[-1]
-            prompt_tokens = sum(answers.count_tokens(text) + 4 for text in texts) + 2
+            # A chat template's 4 tokens around each message and 2 to open the answer.
+            prompt = [
+                token
+                for message in messages
+                if isinstance(message, Mapping)
+                for token in (
+                    "<|start|>",
+                    str(message.get("role")),
+                    "<|message|>",
+                    *answers.tokens(_text(message.get("content"))),
+                    "<|end|>",
+                )
+            ] + ["<|assistant|>", "<|message|>"]
         else:
             prompt_text = _text(body.get("prompt"))
-            prompt_tokens = answers.count_tokens(prompt_text)
+            prompt = answers.tokens(prompt_text)
+        prompt_tokens = len(prompt)
         if state.faults.hang_long_prompt and prompt_tokens > LONG_PROMPT_TOKENS:
             while True:
                 time.sleep(3600)
         with state.lock:
             state.requests += 1
             number = state.requests
+            if state.prefix_cache is not None:
+                state.prefix_cache_queries += prompt_tokens
+                state.prefix_cache_hits += state.prefix_cache.lookup(prompt)
         generation = generate(state, body, prompt_text, prompt_tokens, number)
         with state.lock:
             state.prompt_tokens += generation.prompt_tokens
@@ -383,27 +513,52 @@ class ApiHandler(BaseHTTPRequestHandler):
         request_id = hashlib.sha256(f"{state.started}-{number}".encode()).hexdigest()[:32]
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            self._stream(chat, request_id, str(model), generation, include_usage)
+            self._stream(chat, request_id, str(model), generation, include_usage, arrived)
         else:
+            answered = time.monotonic() - arrived
             self._send_json(200, _response(chat, request_id, str(model), generation, config))
+            with state.lock:
+                state.ttft.observe(answered)
+                state.e2e.observe(time.monotonic() - arrived)
 
     def _stream(
-        self, chat: bool, request_id: str, model: str, generation: Generation, usage: bool
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        generation: Generation,
+        usage: bool,
+        arrived: float,
     ) -> None:
+        state = self.state
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        delay = self.state.config.token_delay_s
-        for event in _stream_events(chat, request_id, model, generation, self.state.config, usage):
+        delay = state.config.token_delay_s
+        last_token: float | None = None
+        for event, carries_token in _stream_events(
+            chat, request_id, model, generation, state.config, usage
+        ):
             data = f"data: {event}\n\n".encode()
             self.wfile.write(f"{len(data):X}\r\n".encode() + data + b"\r\n")
             self.wfile.flush()
+            if carries_token:
+                # What vLLM's output processor times: the first token, the gaps after it.
+                sent = time.monotonic()
+                with state.lock:
+                    if last_token is None:
+                        state.ttft.observe(sent - arrived)
+                    else:
+                        state.itl.observe(sent - last_token)
+                last_token = sent
             if delay:
                 time.sleep(delay)
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
+        with state.lock:
+            state.e2e.observe(time.monotonic() - arrived)
 
 
 def _usage(generation: Generation) -> dict[str, int]:
@@ -475,7 +630,8 @@ def _stream_events(
     generation: Generation,
     config: ServingConfig,
     include_usage: bool,
-) -> Iterator[str]:
+) -> Iterator[tuple[str, bool]]:
+    """The SSE events' data, each with whether it carries a generated token."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     prefix = "chatcmpl" if chat else "cmpl"
@@ -503,21 +659,18 @@ def _stream_events(
         return {"index": 0, "delta": fields, "logprobs": None, "finish_reason": finish}
 
     if chat:
-        yield chunk(delta({"role": "assistant", "content": ""}))
+        yield chunk(delta({"role": "assistant", "content": ""})), False
         for piece in answers.tokens(generation.reasoning):
-            yield chunk(delta({"reasoning": piece, "reasoning_content": piece}))
+            yield chunk(delta({"reasoning": piece, "reasoning_content": piece})), True
     if generation.tool_name is not None:
         call = _tool_call(request_id, generation)
         call["function"]["arguments"] = ""
-        yield chunk(delta({"tool_calls": [{"index": 0, **call}]}))
-        yield chunk(
-            delta(
-                {"tool_calls": [{"index": 0, "function": {"arguments": generation.tool_arguments}}]}
-            )
-        )
+        yield chunk(delta({"tool_calls": [{"index": 0, **call}]})), True
+        arguments = {"arguments": generation.tool_arguments}
+        yield chunk(delta({"tool_calls": [{"index": 0, "function": arguments}]})), True
     for piece in answers.tokens(generation.content or ""):
-        yield chunk(delta({"content": piece}))
-    yield chunk(delta({}, generation.finish_reason))
+        yield chunk(delta({"content": piece})), True
+    yield chunk(delta({}, generation.finish_reason)), False
     if include_usage:
-        yield chunk(None, _usage(generation))
-    yield "[DONE]"
+        yield chunk(None, _usage(generation)), False
+    yield "[DONE]", False

@@ -19,9 +19,11 @@ except ImportError:  # copied flat into the engine image
     from standin_log import EngineFatal  # type: ignore[no-redef]
 
 try:
-    from sparkdeploy import engram
+    from sparkdeploy.node import engram
+    from sparkdeploy.vllm import kv_cache
 except ImportError:
     import engram  # type: ignore[no-redef]
+    import kv_cache  # type: ignore[no-redef]
 
 try:
     from lab import tinymodel
@@ -33,7 +35,6 @@ except ImportError:
         tinymodel = None  # type: ignore[assignment]
 
 GIB = 1 << 30
-INDEX_FILE = "model.safetensors.index.json"
 OFFLINE_MISS = (
     "huggingface_hub.errors.LocalEntryNotFoundError: Cannot find an appropriate cached snapshot "
     "folder for the specified revision on the local disk and outgoing traffic has been "
@@ -164,13 +165,7 @@ def load_model(model: str, revision: str | None, env: Mapping[str, str]) -> Load
 
 
 def _shard_paths(model: str, snapshot: Path) -> list[Path]:
-    found = sorted(snapshot.glob("*.safetensors"))
-    index = snapshot / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        for name in sorted(set(weight_map.values())):
-            if snapshot / name not in found:
-                found.append(snapshot / name)
+    found = [Path(path) for path in engram.safetensors_shards(snapshot)]
     if not found:
         raise EngineFatal([f"RuntimeError: Cannot find any model weights with `{model}`"])
     return found
@@ -294,13 +289,13 @@ class KvCachePlan:
 
 
 def kv_bytes_per_token(model: LoadedModel, tp: int, kv_cache_dtype: str | None) -> int:
-    layers = model.config_value("num_hidden_layers", 2)
-    heads = model.config_value("num_attention_heads", 1)
-    kv_heads = model.config_value("num_key_value_heads", heads)
-    hidden = model.config_value("hidden_size", 64 * heads)
-    head_dim = model.config_value("head_dim", hidden // heads)
-    element = 1 if (kv_cache_dtype or "").startswith("fp8") else 2
-    return layers * 2 * max(1, kv_heads // tp) * head_dim * element
+    """One token's KV cache on one rank, by vLLM's page-size rule (sparkdeploy.vllm.kv_cache)."""
+    try:
+        geometry = kv_cache.KvGeometry.from_config(model.config)
+        element = kv_cache.model_dtype_bytes(model.config)
+        return geometry.token_bytes(geometry.layers, tp, kv_cache_dtype or "auto", element)
+    except kv_cache.KvCacheError as exc:
+        raise EngineFatal([f"ValueError: {exc}"]) from exc
 
 
 def plan_kv_cache(

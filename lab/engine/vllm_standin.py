@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping
+from pathlib import Path
 from types import FrameType
 
 try:
@@ -87,6 +88,8 @@ class StandinEngine:
             env.get("VLLM_ENGINE_READY_TIMEOUT_S", DEFAULT_ENGINE_READY_TIMEOUT_S)
         )
         self.faults = Faults.parse(env.get("STANDIN_FAULT", ""), self.node_rank)
+        if env.get("STANDIN_FAULT_ONCE_DIR"):
+            self.faults = self.faults.first_time_only(Path(env["STANDIN_FAULT_ONCE_DIR"]))
         self.head: HeadRendezvous | None = None
         self.worker: WorkerRendezvous | None = None
         self.server: StandinServer | None = None
@@ -373,6 +376,7 @@ class StandinEngine:
             block_size=args.block_size or 16,
             kv_cache_tokens=plan.tokens,
             token_delay_s=float(self.env.get("STANDIN_TOKEN_DELAY_S", "0.001")),
+            prefix_caching=args.enable_prefix_caching is not False,
         )
         faults = OutputFaults(
             token_loop=self.faults.has("token_loop"),

@@ -1,0 +1,139 @@
+"""The `compare` flow: two sides (recipes, or a recipe with overrides) deployed, smoke-tested,
+benchmarked and torn down, then side by side with a verdict per row (sparkdeploy.steps.compare).
+
+Each side is a `compare-side` subflow run, linked from the comparison's artifact. On disjoint
+nodes the two run at once, each in its own thread with a copy of the flow's context (so each is
+a child run of the comparison: docs/field.md, "Prefect's UI"); on shared nodes one after the
+other, the first torn down before the second deploys. A side that fails is reported with its
+cause and the other still runs; the comparison then fails, after its artifact is written.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from prefect import flow
+from prefect.states import State
+from pydantic import Field
+
+from flows.deploy import deploy
+from sparkdeploy.errors import CompareError
+from sparkdeploy.steps.benchmark import DEFAULT_SETTINGS, BenchmarkSettings
+from sparkdeploy.steps.compare import (
+    CompareSide,
+    Comparison,
+    NoiseRule,
+    Placement,
+    PreparedSide,
+    SideOutcome,
+    smoke_failure,
+)
+from tasks.benchmark import benchmark_deployment
+from tasks.compare import outcome_of, prepare_comparison, publish_comparison, state_failure
+from tasks.plan import plan_deployment
+from tasks.smoke_test import smoke_test
+from tasks.teardown import teardown_deployment
+
+
+@flow(name="compare-side", flow_run_name="compare side {label}: {recipe} on {cluster}")
+def compare_side(
+    label: str,
+    recipe: str,
+    cluster: str,
+    nodes: list[str],
+    settings: BenchmarkSettings,
+    lock_timeout_s: float = 600.0,
+) -> SideOutcome:
+    """One side: deploy (its own smoke test skipped), smoke test, benchmark, teardown."""
+    deployed: State[Any] = deploy(
+        recipe,
+        cluster,
+        nodes,
+        skip=["smoke"],
+        lock_timeout_s=lock_timeout_s,
+        return_state=True,
+    )
+    if not deployed.is_completed():
+        # deploy tore down what it started and let the nodes go
+        return SideOutcome(label, failed_at="deploy", cause=state_failure(deployed))
+    summary = deployed.result()
+    plan = plan_deployment(recipe, cluster, nodes)
+    try:
+        smoke = smoke_test(plan, raise_on_failure=False)
+        if not smoke.passed:
+            return SideOutcome(label, summary, smoke, failed_at="smoke", cause=smoke_failure(smoke))
+        measured: State[Any] = benchmark_deployment(
+            plan, settings, f"side {label}: {plan.recipe}", return_state=True
+        )
+        if not measured.is_completed():
+            cause = state_failure(measured)
+            return SideOutcome(label, summary, smoke, failed_at="benchmark", cause=cause)
+        return SideOutcome(label, summary, smoke, measured.result())
+    finally:
+        teardown_deployment(plan.deployment_id, plan.cluster)
+
+
+@flow(
+    name="compare",
+    flow_run_name="compare {side_a.recipe} with {side_b.recipe} on {cluster}",
+    description="Two recipes (or one with args, env or image overridden) deployed, smoke-tested, "
+    "benchmarked and torn down; a side-by-side artifact with a verdict per row.",
+)
+def compare(
+    side_a: CompareSide = Field(description="Side A, the baseline: a recipe and its overrides."),
+    side_b: CompareSide = Field(description="Side B, compared with A: a recipe and overrides."),
+    cluster: str = Field(description="The cluster both sides deploy on (clusters/<name>.toml)."),
+    placement: Placement = Field(
+        default="auto",
+        description="sequential: one after the other on shared nodes (A torn down before B "
+        "deploys); at_once: both at once on disjoint nodes; auto: at once when the cluster has "
+        "room for both, else sequential.",
+    ),
+    settings: BenchmarkSettings = Field(
+        default=DEFAULT_SETTINGS,
+        description="The benchmark of each side: concurrency levels, prompt and output "
+        "lengths, requests per level, repeats.",
+    ),
+    noise_floor: float = Field(
+        default=NoiseRule().relative,
+        ge=0,
+        description="The smallest relative difference of a benchmark figure that counts as "
+        "better or worse, whatever the spread of the repeats (0.1: 10 %).",
+    ),
+    lock_timeout_s: float = Field(
+        default=600.0, description="How long a side waits for its nodes if another holds them."
+    ),
+) -> Comparison:
+    prepared = prepare_comparison(side_a, side_b, cluster, placement)
+
+    def run(side: PreparedSide) -> State[SideOutcome]:
+        return compare_side(
+            side.label,
+            side.recipe,
+            cluster,
+            side.nodes,
+            settings,
+            lock_timeout_s,
+            return_state=True,
+        )
+
+    if prepared.at_once:
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="compare-side") as pool:
+            futures = [
+                pool.submit(contextvars.copy_context().run, run, side) for side in prepared.sides
+            ]
+            states = [future.result() for future in futures]
+    else:
+        states = [run(side) for side in prepared.sides]
+    a, b = (
+        outcome_of(side.label, state) for side, state in zip(prepared.sides, states, strict=True)
+    )
+    comparison = publish_comparison(prepared, a, b, NoiseRule(relative=noise_floor))
+    if comparison.failed:
+        raise CompareError(
+            "; ".join(f"side {side.label} {side.state_text()}" for side in comparison.failed)
+            + " (the comparison's artifact shows both sides)"
+        )
+    return comparison

@@ -1,0 +1,404 @@
+"""Cluster inventories (clusters/<name>.toml): the nodes, the NAS, docker and NCCL settings.
+
+The file format is documented in docs/inventory.md. Per-node
+values are merged here ([ssh] and [node_defaults] under each [[nodes]] entry), so everything
+downstream sees one complete `Node` per machine.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sparkdeploy.errors import InventoryError, PlanError
+from sparkdeploy.model.tomlfile import (
+    KeyPath,
+    TomlDocument,
+    format_key,
+    load_toml,
+    validate_document,
+)
+
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Set per node by the plan; a profile that also set them would be overridden silently.
+_PER_NODE_ENV = (
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+    "UCX_NET_DEVICES",
+    "NCCL_IB_HCA",
+    "NCCL_IB_GID_INDEX",
+    "VLLM_HOST_IP",
+)
+
+RoceHcas = list[str] | Literal["auto"]
+GidIndex = int | Literal["auto"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def _check_roce_hcas(value: Any) -> Any:
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, list) and value and all(isinstance(h, str) and h for h in value):
+        return value
+    raise ValueError('must be "auto" or a non-empty list of HCA names like ["rocep1s0f1"]')
+
+
+def _check_gid_index(value: Any) -> Any:
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ValueError('must be "auto" or a GID index (an integer ≥ 0, without quotes)')
+
+
+class SshDefaults(_Strict):
+    user: str = "root"
+    port: int = Field(default=22, ge=1, le=65535)
+    identity_file: str | None = None
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+
+
+# A DGX Spark's GB10: the memory CUDA reports as its total (docs/field.md#nodes-and-fabric).
+GB10_MEMORY_GIB = 121.63
+# Per rank, beside weights and KV cache: CUDA context, activation peak, CUDA graphs, NCCL buffers
+# (docs/field.md#memory-fit).
+DEFAULT_ENGINE_OVERHEAD_GIB = 4.0
+
+
+class NodeDefaults(_Strict):
+    gpus: int = Field(default=1, ge=1)
+    fabric_netdev: str | None = None
+    memory_gib: float = Field(default=GB10_MEMORY_GIB, gt=0)
+    unified_memory: bool = True
+    engine_overhead_gib: float = Field(default=DEFAULT_ENGINE_OVERHEAD_GIB, ge=0)
+    roce_hcas: RoceHcas = "auto"
+    gid_index: GidIndex = "auto"
+
+    _roce = field_validator("roce_hcas", mode="before")(_check_roce_hcas)
+    _gid = field_validator("gid_index", mode="before")(_check_gid_index)
+
+
+class NodeEntry(_Strict):
+    """One [[nodes]] table: its own keys plus any [ssh]/[node_defaults] key overridden."""
+
+    name: str
+    host: str
+    fabric_ip: str
+    user: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    identity_file: str | None = None
+    connect_timeout_s: float | None = Field(default=None, gt=0)
+    gpus: int | None = Field(default=None, ge=1)
+    fabric_netdev: str | None = None
+    memory_gib: float | None = Field(default=None, gt=0)
+    unified_memory: bool | None = None
+    engine_overhead_gib: float | None = Field(default=None, ge=0)
+    roce_hcas: RoceHcas | None = None
+    gid_index: GidIndex | None = None
+
+    _roce = field_validator("roce_hcas", mode="before")(_check_roce_hcas)
+    _gid = field_validator("gid_index", mode="before")(_check_gid_index)
+
+    @field_validator("name")
+    @classmethod
+    def _container_safe(cls, name: str) -> str:
+        if not _NODE_NAME.match(name):
+            raise ValueError(
+                f"{name!r} is not a usable node name: letters, digits, '_', '.', '-' only "
+                "(it becomes part of container names)"
+            )
+        return name
+
+
+class Nas(_Strict):
+    hf_cache: str
+    runs_dir: str
+
+
+class NodePaths(_Strict):
+    engram_root: str = "/var/tmp/engram-local"
+    composed_root: str = "/var/tmp/sparkdeploy/composed"
+
+
+# What the field runs vLLM with (docs/field.md): RDMA needs unlimited locked memory.
+DEFAULT_ULIMITS = {"memlock": "-1", "stack": "67108864"}
+
+
+class DockerSettings(_Strict):
+    gpus: str = "all"
+    run_options: list[str] = Field(default_factory=list)
+    ulimits: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ULIMITS))
+    registry: str | None = None
+    drop_page_cache: bool = False
+
+
+class HubSettings(_Strict):
+    # The Hugging Face endpoint the flow host prefetches from; None: HF_ENDPOINT, else the hub.
+    endpoint: str | None = None
+
+
+class InventoryFile(_Strict):
+    """The inventory file as written."""
+
+    name: str | None = None
+    known_hosts: str = "~/.ssh/known_hosts"
+    ssh: SshDefaults = Field(default_factory=SshDefaults)
+    node_defaults: NodeDefaults = Field(default_factory=NodeDefaults)
+    nodes: list[NodeEntry] = Field(min_length=1)
+    nas: Nas
+    node_paths: NodePaths = Field(default_factory=NodePaths)
+    docker: DockerSettings = Field(default_factory=DockerSettings)
+    hub: HubSettings = Field(default_factory=HubSettings)
+    nccl: dict[str, dict[str, str]] = Field(default_factory=dict)
+
+
+class Node(_Strict):
+    """A node with every default applied; paths on the flow host are absolute."""
+
+    name: str
+    host: str
+    port: int
+    user: str
+    identity_file: str
+    connect_timeout_s: float
+    gpus: int
+    fabric_ip: str
+    fabric_netdev: str
+    roce_hcas: RoceHcas
+    gid_index: GidIndex
+    memory_gib: float
+    unified_memory: bool
+    engine_overhead_gib: float
+
+    @property
+    def home(self) -> str:
+        """The SSH user's home on the node: what a leading `~` in a recipe mount means."""
+        return "/root" if self.user == "root" else f"/home/{self.user}"
+
+
+class Cluster(_Strict):
+    name: str
+    path: str
+    known_hosts: str
+    nodes: list[Node]
+    nas: Nas
+    node_paths: NodePaths
+    docker: DockerSettings
+    hub: HubSettings
+    nccl: dict[str, dict[str, str]]
+
+    def missing_files(self) -> list[str]:
+        """Flow-host files the SSH connections need that do not exist, one problem each."""
+        problems = []
+        if not Path(self.known_hosts).is_file():
+            problems.append(
+                f"{self.path}: known_hosts {self.known_hosts} does not exist: create it with the "
+                "nodes' host keys (ssh-keyscan -H HOST >> FILE, after checking the keys)"
+            )
+        for identity in sorted({node.identity_file for node in self.nodes}):
+            if not Path(identity).is_file():
+                users = [node.name for node in self.nodes if node.identity_file == identity]
+                problems.append(
+                    f"{self.path}: identity_file {identity} (nodes {', '.join(users)}) does not "
+                    "exist: create the key or point identity_file at it"
+                )
+        return problems
+
+    def select(self, count: int, names: Sequence[str] | None = None) -> list[Node]:
+        """`count` nodes: the named ones in the given order, else the first `count` listed."""
+        by_name = {node.name: node for node in self.nodes}
+        if names:
+            problems = []
+            for name in names:
+                if name not in by_name:
+                    close = difflib.get_close_matches(name, by_name, n=1)
+                    hint = (
+                        f"did you mean '{close[0]}'?" if close else f"known: {', '.join(by_name)}"
+                    )
+                    problems.append(
+                        f"{self.path}: no node named '{name}' in cluster {self.name}; {hint}"
+                    )
+            repeated = sorted({name for name in names if list(names).count(name) > 1})
+            if repeated:
+                problems.append(f"node {', '.join(repeated)} selected twice; name each node once")
+            if len(names) != count:
+                problems.append(
+                    f"{len(names)} nodes selected ({', '.join(names)}) but the recipe needs "
+                    f"required_nodes = {count}; name exactly {count}"
+                )
+            if problems:
+                raise PlanError("\n".join(problems))
+            return [by_name[name] for name in names]
+        if len(self.nodes) < count:
+            raise PlanError(
+                f"{self.path}: the recipe needs {count} nodes, cluster {self.name} has "
+                f"{len(self.nodes)}; add nodes to the inventory or use a smaller recipe"
+            )
+        return self.nodes[:count]
+
+
+def _resolve_file(value: str, base: Path) -> str:
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else (base / path).resolve())
+
+
+def _merge_node(
+    inventory: InventoryFile, index: int, base: Path, where: Callable[[KeyPath], str]
+) -> tuple[Node | None, list[str]]:
+    entry = inventory.nodes[index]
+    ssh, defaults = inventory.ssh, inventory.node_defaults
+    identity = entry.identity_file or ssh.identity_file
+    netdev = entry.fabric_netdev or defaults.fabric_netdev
+    problems = []
+    if identity is None:
+        problems.append(
+            f"{where(('nodes', index))}: node {entry.name} has no identity_file: set it in [ssh] "
+            "or on the node"
+        )
+    if netdev is None:
+        problems.append(
+            f"{where(('nodes', index))}: node {entry.name} has no fabric_netdev: set it in "
+            "[node_defaults] or on the node (the netdev carrying fabric_ip)"
+        )
+    if identity is None or netdev is None:
+        return None, problems
+    node = Node(
+        name=entry.name,
+        host=entry.host,
+        port=entry.port or ssh.port,
+        user=entry.user or ssh.user,
+        identity_file=_resolve_file(identity, base),
+        connect_timeout_s=entry.connect_timeout_s or ssh.connect_timeout_s,
+        gpus=entry.gpus or defaults.gpus,
+        fabric_ip=entry.fabric_ip,
+        fabric_netdev=netdev,
+        roce_hcas=entry.roce_hcas if entry.roce_hcas is not None else defaults.roce_hcas,
+        gid_index=entry.gid_index if entry.gid_index is not None else defaults.gid_index,
+        memory_gib=entry.memory_gib or defaults.memory_gib,
+        unified_memory=(
+            entry.unified_memory if entry.unified_memory is not None else defaults.unified_memory
+        ),
+        engine_overhead_gib=(
+            entry.engine_overhead_gib
+            if entry.engine_overhead_gib is not None
+            else defaults.engine_overhead_gib
+        ),
+    )
+    return node, problems
+
+
+def _duplicates(values: list[str], what: str, where: Callable[[KeyPath], str]) -> list[str]:
+    """`values[i]` is node i's; each value used again names the node that has it first."""
+    problems = []
+    first: dict[str, int] = {}
+    for index, value in enumerate(values):
+        if value in first:
+            earlier = first[value]
+            problems.append(
+                f"{where(('nodes', index))}: {what} {value} is already used by nodes[{earlier}] "
+                f"({where(('nodes', earlier))}); each node needs its own"
+            )
+        else:
+            first[value] = index
+    return problems
+
+
+def _setting_problems(
+    inventory: InventoryFile, where: Callable[[KeyPath], str], broken: frozenset[str]
+) -> list[str]:
+    """Paths and NCCL profiles; a table in `broken` (its problem already reported) is skipped."""
+    problems = []
+    paths: list[tuple[KeyPath, str]] = []
+    if "nas" not in broken:
+        paths += [(("nas", "hf_cache"), inventory.nas.hf_cache)]
+        paths += [(("nas", "runs_dir"), inventory.nas.runs_dir)]
+    if "node_paths" not in broken:
+        paths += [(("node_paths", "engram_root"), inventory.node_paths.engram_root)]
+        paths += [(("node_paths", "composed_root"), inventory.node_paths.composed_root)]
+    for key, value in paths:
+        if not value.startswith("/"):
+            problems.append(f"{where(key)}: {format_key(key)} {value!r} must be an absolute path")
+    for profile, env in {} if "nccl" in broken else inventory.nccl.items():
+        for variable in env:
+            at = where(("nccl", profile, variable))
+            if not _ENV_NAME.match(variable):
+                problems.append(f"{at}: nccl.{profile}: {variable!r} is not an env variable name")
+            elif variable in _PER_NODE_ENV:
+                problems.append(
+                    f"{at}: nccl.{profile}.{variable} is set per node from the node's fabric "
+                    "settings; remove it from the profile"
+                )
+    return problems
+
+
+def _node_problems(
+    inventory: InventoryFile, base: Path, where: Callable[[KeyPath], str], broken: frozenset[str]
+) -> tuple[list[Node], list[str]]:
+    """Every node with its defaults applied, and the problems of the [[nodes]] entries."""
+    if "nodes" in broken:
+        return [], []
+    entries = inventory.nodes
+    problems = _duplicates([e.name for e in entries], "node name", where)
+    problems += _duplicates([e.fabric_ip for e in entries], "fabric_ip", where)
+    if "ssh" in broken or "node_defaults" in broken:
+        return [], problems
+    problems += _duplicates(
+        [f"{e.host}:{e.port or inventory.ssh.port}" for e in entries], "SSH host:port", where
+    )
+    nodes = []
+    for index in range(len(entries)):
+        node, node_problems = _merge_node(inventory, index, base, where)
+        problems += node_problems
+        if node is not None:
+            nodes.append(node)
+    return nodes, problems
+
+
+def cluster_from_document(document: TomlDocument) -> Cluster:
+    """The cluster of a parsed inventory; raises InventoryError listing every problem."""
+    if "model" in document.data and "nodes" not in document.data:
+        # Checked as an inventory, a recipe would be every one of its keys an unknown key.
+        raise InventoryError(
+            f"{document.where(('model',))}: model: this is a recipe, not a cluster inventory: "
+            "move it to recipes/<name>/recipe.toml; nothing else in it was checked"
+        )
+    validated = validate_document(document, InventoryFile)
+    inventory, broken = validated.value, validated.broken
+    base = document.path.parent
+    nodes, node_problems = _node_problems(inventory, base, document.where, broken)
+    problems = [
+        *validated.problems,
+        *_setting_problems(inventory, document.where, broken),
+        *node_problems,
+    ]
+    if problems:
+        raise InventoryError("\n".join(document.in_file_order(problems)))
+    return Cluster(
+        name=inventory.name or document.path.stem,
+        path=str(document.path),
+        known_hosts=_resolve_file(inventory.known_hosts, base),
+        nodes=nodes,
+        nas=inventory.nas,
+        node_paths=inventory.node_paths,
+        docker=inventory.docker,
+        hub=inventory.hub,
+        nccl=inventory.nccl,
+    )
+
+
+def load_cluster(path: Path) -> Cluster:
+    """Load an inventory; raises InventoryError listing every problem, one per line.
+
+    Files on the flow host (identity files, known_hosts) are not checked here, so a plan can be
+    made for a cluster this machine cannot reach; `Cluster.missing_files()` checks them.
+    """
+    return cluster_from_document(load_toml(path, InventoryError))

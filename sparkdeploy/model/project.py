@@ -1,0 +1,106 @@
+"""Where recipes, inventories and image dirs live, and how a name becomes a path.
+
+The CLI and the flows resolve names the same way: a recipe name is recipes/<name>/recipe.toml,
+a cluster name is clusters/<name>.toml or, for a lab brought up by `python -m lab up --name
+NAME`, the inventory the lab wrote at <lab root>/<NAME>/cluster.toml.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from sparkdeploy.errors import SparkDeployError
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.plan import Plan, make_plan
+from sparkdeploy.model.recipe import load_recipe, recipe_paths
+
+ROOT_ENV = "SPARKDEPLOY_ROOT"
+LAB_ROOT_ENV = "SPARKDEPLOY_LAB_ROOT"
+VARIANTS_DIR_ENV = "SPARKDEPLOY_VARIANTS_DIR"
+# Where labs keep their state, NAS and inventory. Not under /tmp, /var, /run or /etc: a lab
+# node mounts its own over those, which would hide the lab's files from it.
+DEFAULT_LAB_ROOT = Path("/srv/sparkdeploy-lab")
+# The package sits at the project root; a worker's flow runs find recipes/ from here.
+DEFAULT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def project_root() -> Path:
+    return Path(os.environ.get(ROOT_ENV) or DEFAULT_ROOT)
+
+
+def lab_root() -> Path:
+    return Path(os.environ.get(LAB_ROOT_ENV) or DEFAULT_LAB_ROOT)
+
+
+def variants_dir() -> Path:
+    """Where the compare flow writes recipe variants (sparkdeploy.model.recipe_variant) on the flow
+    host: SPARKDEPLOY_VARIANTS_DIR, else ~/.cache/sparkdeploy/variants."""
+    configured = os.environ.get(VARIANTS_DIR_ENV)
+    return Path(configured) if configured else Path.home() / ".cache" / "sparkdeploy" / "variants"
+
+
+def _is_path(value: str) -> bool:
+    return value.endswith(".toml") or "/" in value or value in (".", "..")
+
+
+def find_recipe(value: str, root: Path | None = None) -> Path:
+    """recipes/<value>/recipe.toml, or value itself when it is a path (a file or a recipe dir)."""
+    if _is_path(value):
+        path = Path(value)
+        return path / "recipe.toml" if path.is_dir() else path
+    return find_recipe_by_name(value, root)
+
+
+def find_recipe_by_name(name: str, root: Path | None = None) -> Path:
+    """recipes/<name>/recipe.toml, never a path given as the name: for names read from where
+    anyone can write them (a container's labels)."""
+    root = root or project_root()
+    by_name = root / "recipes" / name / "recipe.toml"
+    if _is_path(name) or name.startswith(".") or not by_name.exists():
+        known = ", ".join(path.parent.name for path in recipe_paths(root / "recipes"))
+        raise SparkDeployError(
+            f"no recipe named {name!r} under {root / 'recipes'} (known: {known or 'none'})"
+        )
+    return by_name
+
+
+def find_cluster(value: str, root: Path | None = None) -> Path:
+    """clusters/<value>.toml, a running lab's inventory, or value itself as a path."""
+    root = root or project_root()
+    if _is_path(value):
+        return Path(value)
+    labs = lab_root()
+    for candidate in (root / "clusters" / f"{value}.toml", labs / value / "cluster.toml"):
+        if candidate.exists():
+            return candidate
+    known = [path.stem for path in sorted((root / "clusters").glob("*.toml"))]
+    known += [path.parent.name for path in sorted(labs.glob("*/cluster.toml"))]
+    raise SparkDeployError(
+        f"no cluster named {value!r}: neither {root}/clusters/{value}.toml nor "
+        f"{labs}/{value}/cluster.toml exists (known: {', '.join(known) or 'none'}; "
+        "`python -m lab up --name NAME` writes a lab's)"
+    )
+
+
+def find_image_dir(docker_image_dir: str, root: Path | None = None) -> Path:
+    """A recipe's docker_image_dir: a directory under images/ holding a Dockerfile."""
+    root = root or project_root()
+    path = root / "images" / docker_image_dir
+    if not (path / "Dockerfile").is_file():
+        raise SparkDeployError(
+            f"docker_image_dir {docker_image_dir!r}: {path / 'Dockerfile'} does not exist; "
+            "put the image's build context (with its Dockerfile) in images/"
+            f"{docker_image_dir}/ or use a prebuilt docker_image"
+        )
+    return path
+
+
+def load_plan(
+    recipe: str, cluster: str, nodes: Sequence[str] | None = None, root: Path | None = None
+) -> Plan:
+    """The plan for a recipe and a cluster given by name or path (see find_recipe/find_cluster)."""
+    return make_plan(
+        load_recipe(find_recipe(recipe, root)), load_cluster(find_cluster(cluster, root)), nodes
+    )

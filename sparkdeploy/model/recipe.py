@@ -1,0 +1,465 @@
+"""The recipe model (recipes/<name>/recipe.toml) and the facts the pipeline derives from it.
+
+docs/recipes.md documents every key. Loading goes through `load_recipe`, which reports every
+problem of a file at once, each as `file:line: key: what is wrong and what to do`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+from sparkdeploy.errors import RecipeError
+from sparkdeploy.model.memory import read_memory_flags
+from sparkdeploy.model.secrecy import (
+    API_KEY_ENV,
+    API_KEY_FLAG,
+    is_secret_name,
+    unsafe_value_problem,
+)
+from sparkdeploy.model.tomlfile import KeyPath, format_key, load_toml, validate_document
+from sparkdeploy.vllm.args import VllmArgs, normalise_args, parse_args
+
+DEFAULT_API_PORT = 8000
+# vLLM's own default for VLLM_ENGINE_READY_TIMEOUT_S: it gives up on the engine after this.
+DEFAULT_READINESS_TIMEOUT_S = 600.0
+READINESS_ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_SHM_SIZE = re.compile(r"^\d+(\.\d+)?[bkmgt]?b?$", re.IGNORECASE)
+
+# Flags the plan sets from recipe keys or per node; a recipe that also sets them would fight it.
+_PLAN_FLAGS = {
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "-tp": "tensor_parallel_size",
+    "--pipeline-parallel-size": "pipeline_parallel_size",
+    "-pp": "pipeline_parallel_size",
+    "--nnodes": "required_nodes",
+    "--node-rank": "the node order of the cluster inventory",
+    "--master-addr": "the head node's fabric_ip",
+    "--master-port": "the plan (29501)",
+    "--headless": "the plan (on workers)",
+    "--revision": "model_revision (so the prefetch fetches the same revision)",
+}
+# Env the plan injects per node (the fabric differs per node) or sets from the inventory.
+_PLAN_ENV = {
+    "VLLM_HOST_IP": "each node's fabric_ip",
+    "NCCL_SOCKET_IFNAME": "each node's fabric_netdev",
+    "GLOO_SOCKET_IFNAME": "each node's fabric_netdev",
+    "UCX_NET_DEVICES": "each node's fabric_netdev",
+    "NCCL_IB_HCA": "each node's roce_hcas",
+    "NCCL_IB_GID_INDEX": "each node's gid_index",
+    "HF_HUB_CACHE": "the plan (the composed mount or the NAS cache)",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class RepoRef(_Strict):
+    """A Hugging Face repo and the revision to use (None: the default branch)."""
+
+    repo: str
+    revision: str | None = None
+
+
+class MarkerSpec(_Strict):
+    """A named regular expression searched for in the engine log."""
+
+    name: str
+    pattern: str
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(
+                f"not a valid regular expression ({exc}); escape a literal [ ] ( ) . * + ? with "
+                "a backslash (in a '...' string TOML keeps backslashes as written)"
+            ) from None
+        return pattern
+
+
+class SmokeOptions(_Strict):
+    """What the smoke test adds to its chat completion requests."""
+
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    max_tokens: int | None = Field(default=None, ge=1)
+    request_timeout_s: float | None = Field(default=None, gt=0)
+
+
+class ComposedSource(_Strict):
+    repo: str
+    revision: str | None = None
+
+
+class ComposedLocalFile(_Strict):
+    host: str
+
+
+class ComposedModel(_Strict):
+    mount: str
+    sources: list[ComposedSource] = Field(default_factory=list)
+    local_files: list[ComposedLocalFile] = Field(default_factory=list)
+
+
+class ExtraMount(_Strict):
+    host: str
+    container: str
+    read_only: bool = False
+
+
+class Recipe(_Strict):
+    """One recipe file. Keys are documented in docs/recipes.md."""
+
+    engine: Literal["vllm"] = "vllm"
+    name: str
+    blocked: str | None = None
+    docker_image: str
+    docker_image_dir: str | None = None
+    model: str
+    model_revision: str | None = None
+    parent_model: str | None = None
+    parent_model_revision: str | None = None
+    required_nodes: int = Field(ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    distributed_backend: Literal["mp", "ray"] = "mp"
+    shm_size: str | None = None
+    entrypoint: list[str] | None = None
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    secret_env: list[str] = Field(default_factory=list)  # beyond the names secrecy.py knows
+    nccl_profile: str | None = None
+    composed_model: ComposedModel | None = None
+    extra_mounts: list[ExtraMount] = Field(default_factory=list)
+    boot_markers: list[MarkerSpec] = Field(default_factory=list)  # empty: vLLM's own markers
+    failure_markers: list[MarkerSpec] = Field(default_factory=list)
+    smoke: SmokeOptions = Field(default_factory=SmokeOptions)
+
+    _recipe_id: str = PrivateAttr(default="recipe")
+    _header_blocked_reason: str | None = PrivateAttr(default=None)
+
+    @field_validator("model", "parent_model")
+    @classmethod
+    def _is_repo_id(cls, repo: str | None) -> str | None:
+        if repo is not None and not _REPO_ID.match(repo):
+            raise ValueError(f"{repo!r} is not a Hugging Face repo id; write it as 'org/name'")
+        return repo
+
+    @field_validator("shm_size")
+    @classmethod
+    def _is_size(cls, size: str | None) -> str | None:
+        if size is not None and not _SHM_SIZE.match(size):
+            raise ValueError(f'{size!r} is not a size; write it like "32gb" or "512m"')
+        return size
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _not_empty(cls, entrypoint: list[str] | None) -> list[str] | None:
+        if entrypoint is not None and not entrypoint:
+            raise ValueError("an empty entrypoint runs nothing; remove the key to use the image's")
+        return entrypoint
+
+    @property
+    def recipe_id(self) -> str:
+        """The recipe's directory name (what `sparkdeploy plan NAME` takes)."""
+        return self._recipe_id
+
+    @cached_property
+    def vllm_args(self) -> VllmArgs:
+        return normalise_args(self.args)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.vllm_args.value("--served-model-name") or self.model
+
+    @property
+    def api_port(self) -> int:
+        port = self.vllm_args.value("--port")
+        return int(port) if port is not None else DEFAULT_API_PORT
+
+    @property
+    def api_key(self) -> str | None:
+        """The key vLLM guards /v1 with: `--api-key`, else env VLLM_API_KEY."""
+        return self.vllm_args.value(API_KEY_FLAG) or self.env.get(API_KEY_ENV) or None
+
+    def is_secret_env(self, name: str) -> bool:
+        return is_secret_name(name, self.secret_env)
+
+    @property
+    def readiness_timeout_s(self) -> float:
+        value = self.env.get(READINESS_ENV)
+        return float(value) if value is not None else DEFAULT_READINESS_TIMEOUT_S
+
+    @property
+    def blocked_reason(self) -> str | None:
+        """Why the recipe must not be deployed, or None when it may be."""
+        if self.blocked is not None:
+            return self.blocked
+        if "[BLOCKED]" in self.name:
+            return self._header_blocked_reason or "the recipe's name says [BLOCKED]"
+        return None
+
+    @property
+    def speculative_model(self) -> str | None:
+        """The drafter repo named by --speculative-config's `model`, if it names a repo."""
+        flag = self.vllm_args.find("--speculative-config")
+        if flag is None or not isinstance(flag.json_value, dict):
+            return None
+        model = flag.json_value.get("model")
+        if isinstance(model, str) and _REPO_ID.match(model):
+            return model
+        return None
+
+    @property
+    def hf_repos(self) -> list[RepoRef]:
+        """Every repo the deployment reads, each once; a pinned revision wins over none."""
+        wanted = [RepoRef(repo=self.model, revision=self.model_revision)]
+        if self.parent_model:
+            wanted.append(RepoRef(repo=self.parent_model, revision=self.parent_model_revision))
+        if self.composed_model:
+            wanted += [
+                RepoRef(repo=s.repo, revision=s.revision) for s in self.composed_model.sources
+            ]
+        if self.speculative_model:
+            wanted.append(RepoRef(repo=self.speculative_model))
+        by_repo: dict[str, RepoRef] = {}
+        for ref in wanted:
+            known = by_repo.get(ref.repo)
+            if known is None or known.revision is None:
+                by_repo[ref.repo] = ref
+            elif ref.revision not in (None, known.revision):
+                raise RecipeError(
+                    f"{ref.repo} is pinned to two revisions "
+                    f"({known.revision}, {ref.revision}); pin one"
+                )
+        return list(by_repo.values())
+
+
+Where = Callable[[KeyPath], str]
+
+
+def _arg_problems(recipe: Recipe, where: Where, backend_known: bool) -> list[str]:
+    """Problems of args; the backend's agreement is checked only if `backend_known` (valid)."""
+    args, problems = parse_args(recipe.args, where=lambda index: where(("args", index)))
+    for flag in args.flags:
+        at = where(("args", flag.index))
+        if flag.canonical in _PLAN_FLAGS:
+            problems.append(
+                f"{at}: {flag.name} is set by the plan from {_PLAN_FLAGS[flag.canonical]}; "
+                "remove it from args"
+            )
+    backend = args.find("--distributed-executor-backend")
+    if backend_known and backend is not None and backend.value != recipe.distributed_backend:
+        problems.append(
+            f"{where(('args', backend.index))}: --distributed-executor-backend {backend.value} "
+            f'contradicts distributed_backend = "{recipe.distributed_backend}"; make them agree '
+            "(or drop the flag: the plan adds it)"
+        )
+    port = args.find("--port")
+    if port is not None and not (port.value or "").isdigit():
+        problems.append(f"{where(('args', port.index))}: --port {port.value!r} is not a number")
+    api_key = args.find(API_KEY_FLAG)
+    if api_key is not None:
+        at = where(("args", api_key.index))
+        if not api_key.value:
+            problems.append(f"{at}: {API_KEY_FLAG} needs a value (the key clients must send)")
+        elif API_KEY_ENV in recipe.env:
+            problems.append(
+                f"{at}: {API_KEY_FLAG} and env.{API_KEY_ENV} both set the API key; keep one"
+            )
+        elif (problem := unsafe_value_problem(api_key.value)) is not None:
+            problems.append(f"{at}: {API_KEY_FLAG}'s value {problem}")
+    served = args.find("--served-model-name")
+    if served is not None and served.value is None:
+        problems.append(f"{where(('args', served.index))}: --served-model-name needs a value")
+    return problems
+
+
+def _path_problems(recipe: Recipe, where: Where, broken: frozenset[str]) -> list[str]:
+    problems = []
+    if "composed_model" not in broken and recipe.composed_model is not None:
+        composed = recipe.composed_model
+        if not composed.mount.startswith("/"):
+            problems.append(
+                f"{where(('composed_model', 'mount'))}: composed_model.mount "
+                f"{composed.mount!r} must be an absolute path in the container"
+            )
+        for index, local in enumerate(composed.local_files):
+            if not local.host.startswith("/"):
+                local_key: KeyPath = ("composed_model", "local_files", index, "host")
+                problems.append(
+                    f"{where(local_key)}: {format_key(local_key)} {local.host!r} must be an "
+                    "absolute path on the node"
+                )
+    for index, mount in enumerate([] if "extra_mounts" in broken else recipe.extra_mounts):
+        if not (mount.host.startswith("/") or mount.host == "~" or mount.host.startswith("~/")):
+            key: KeyPath = ("extra_mounts", index, "host")
+            problems.append(
+                f"{where(key)}: {format_key(key)} {mount.host!r} must be absolute or start with "
+                "~/ (the SSH user's home on the node)"
+            )
+        if not mount.container.startswith("/"):
+            key = ("extra_mounts", index, "container")
+            problems.append(
+                f"{where(key)}: {format_key(key)} {mount.container!r} must be an absolute path"
+            )
+    return problems
+
+
+def _secret_problems(recipe: Recipe, where: Where) -> list[str]:
+    problems = []
+    for index, name in enumerate(recipe.secret_env):
+        if name not in recipe.env:
+            problems.append(
+                f"{where(('secret_env', index))}: secret_env names {name!r}, which [env] does"
+                " not set; add it to [env] or remove it from secret_env"
+            )
+    for name, value in recipe.env.items():
+        problem = unsafe_value_problem(value) if recipe.is_secret_env(name) else None
+        if problem is not None:
+            problems.append(f"{where(('env', name))}: env.{name} (a secret) {problem}")
+    return problems
+
+
+def recipe_problems(
+    recipe: Recipe, where: Where, broken: frozenset[str] = frozenset()
+) -> list[str]:
+    """Consistency problems the model's types cannot express; `where` names a key's place.
+
+    A check reading a field in `broken` (a field whose own problem is already reported, so it
+    holds its default or nothing) is skipped: its finding would be about a value not in the file.
+    """
+
+    def valid(*fields: str) -> bool:
+        return broken.isdisjoint(fields)
+
+    problems: list[str] = []
+    args_valid = valid("args")
+    if args_valid:
+        arg_problems = _arg_problems(recipe, where, backend_known=valid("distributed_backend"))
+        args_valid = not arg_problems
+        problems += arg_problems
+    problems += _path_problems(recipe, where, broken)
+    if args_valid and valid("env"):
+        _, memory_problems = read_memory_flags(recipe.vllm_args, recipe.env)
+        problems += [f"{where(key)}: {problem}" for key, problem in memory_problems]
+    if valid("env"):
+        problems += _env_problems(recipe, where)
+    if valid("env", "secret_env"):
+        problems += _secret_problems(recipe, where)
+    if valid("tensor_parallel_size", "pipeline_parallel_size", "required_nodes"):
+        world = recipe.tensor_parallel_size * recipe.pipeline_parallel_size
+        if world % recipe.required_nodes:
+            problems.append(
+                f"{where(('required_nodes',))}: required_nodes = {recipe.required_nodes} does "
+                f"not divide tensor_parallel_size × pipeline_parallel_size = {world}; every node "
+                "runs the same number of ranks"
+            )
+    if valid("blocked") and recipe.blocked is not None and not recipe.blocked.strip():
+        problems.append(
+            f"{where(('blocked',))}: blocked is empty; say why the recipe is blocked or remove it"
+        )
+    repo_fields = ("model", "model_revision", "parent_model", "parent_model_revision")
+    if args_valid and valid(*repo_fields, "composed_model"):
+        try:
+            recipe.hf_repos  # noqa: B018 - raises on conflicting revision pins
+        except RecipeError as exc:
+            problems.append(f"{where(('model_revision',))}: {exc}")
+    return problems
+
+
+def _env_problems(recipe: Recipe, where: Where) -> list[str]:
+    problems = []
+    for key, source in _PLAN_ENV.items():
+        if key in recipe.env:
+            problems.append(
+                f"{where(('env', key))}: env.{key} is set per node from {source}; remove it"
+            )
+    if recipe.env.get("HF_HUB_OFFLINE", "1") != "1":
+        problems.append(
+            f'{where(("env", "HF_HUB_OFFLINE"))}: env.HF_HUB_OFFLINE must be "1": engines read '
+            'the prefetched cache and never the hub; remove it or set "1"'
+        )
+    timeout = recipe.env.get(READINESS_ENV)
+    if timeout is not None:
+        try:
+            valid = float(timeout) > 0
+        except ValueError:
+            valid = False
+        if not valid:
+            problems.append(
+                f"{where(('env', READINESS_ENV))}: env.{READINESS_ENV} {timeout!r} must be a "
+                "positive number of seconds"
+            )
+    return problems
+
+
+def header_blocked_reason(text: str) -> str | None:
+    """The BLOCKED paragraph of the comment block at the top of a recipe file."""
+    header: list[str] = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            break
+        header.append(stripped.lstrip("#").strip())
+    for start, line in enumerate(header):
+        if "BLOCKED" in line:
+            paragraph = []
+            for following in header[start:]:
+                if not following:
+                    break
+                paragraph.append(following)
+            return " ".join(paragraph)
+    return None
+
+
+def recipe_id_for(path: Path) -> str:
+    return path.parent.name if path.name == "recipe.toml" else path.stem
+
+
+def load_recipe(path: Path) -> Recipe:
+    """Load and check one recipe; raises RecipeError listing every problem, one per line."""
+    document = load_toml(path, RecipeError)
+    if "nodes" in document.data and "model" not in document.data:
+        # Checked as a recipe, an inventory would be every one of its tables an unknown key.
+        raise RecipeError(
+            f"{document.where(('nodes',))}: nodes: this is a cluster inventory, not a recipe: "
+            "move it to clusters/<name>.toml (sparkdeploy validate checks files in clusters/ as "
+            "inventories); nothing else in it was checked"
+        )
+    validated = validate_document(document, Recipe)
+    recipe = validated.value
+    problems = validated.problems + recipe_problems(recipe, document.where, validated.broken)
+    if problems:
+        raise RecipeError("\n".join(document.in_file_order(problems)))
+    recipe._recipe_id = recipe_id_for(path)
+    recipe._header_blocked_reason = header_blocked_reason(document.text)
+    return recipe
+
+
+def recipe_paths(recipes_dir: Path) -> list[Path]:
+    return sorted(recipes_dir.glob("*/recipe.toml"))
+
+
+def load_all_recipes(recipes_dir: Path) -> dict[str, Recipe]:
+    """Every recipes/<name>/recipe.toml by name; all files' problems in one RecipeError."""
+    recipes: dict[str, Recipe] = {}
+    problems: list[str] = []
+    for path in recipe_paths(recipes_dir):
+        try:
+            recipes[recipe_id_for(path)] = load_recipe(path)
+        except RecipeError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise RecipeError("\n".join(problems))
+    return recipes

@@ -1,0 +1,158 @@
+"""A recipe with some of its flags, env or image overridden, written out as a recipe of its own.
+
+A compare's side may be "recipe X with --max-num-seqs 4" (sparkdeploy.steps.compare.CompareSide).
+The variant is a real recipe file, `<variants dir>/<X>.<hash>/recipe.toml` on the flow host
+(sparkdeploy.model.project.variants_dir), so every step deploys, plans, tears down and shows it like
+any recipe, and it is loaded (every check of sparkdeploy.model.recipe run) before anything is
+deployed. Its name is X's with a hash of the overrides: the same overrides give the same file
+(written again only when its text changes), a deployment id of its own, and a name a container
+label can carry. It holds what the recipe holds, secrets too, so it is readable by its owner
+alone (0600) and stays off the NAS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sparkdeploy.errors import CompareError, RecipeError
+from sparkdeploy.model.recipe import Recipe, load_recipe
+from sparkdeploy.vllm.args import VllmArgs, canonical_flag, parse_args
+
+
+def toml_string(text: str) -> str:
+    """A TOML basic string: JSON's escapes are TOML's, but for DEL, which TOML escapes too."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def toml_value(value: Any) -> str:
+    """A value as TOML, tables inline (a recipe's values are strings, numbers, booleans, lists
+    and tables of those)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return toml_string(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    if isinstance(value, Mapping):
+        items = ", ".join(f"{toml_string(str(k))} = {toml_value(v)}" for k, v in value.items())
+        return "{ " + items + " }" if items else "{}"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def recipe_toml(recipe: Recipe, header: Sequence[str]) -> str:
+    """The recipe as a file that loads back into an equal recipe; `header` as comment lines."""
+    data = recipe.model_dump(exclude_defaults=True)
+    if recipe.blocked_reason is not None:
+        data["blocked"] = recipe.blocked_reason  # a reason in the header comment is kept too
+    lines = [f"# {line}" for line in header]
+    lines += [f"{key} = {toml_value(value)}" for key, value in data.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _override_flags(args: Sequence[str], what: str) -> VllmArgs:
+    flags, problems = parse_args(args, where=lambda index: f"{what}[{index}]")
+    if problems:
+        raise CompareError("\n".join(problems))
+    return flags
+
+
+def _negation(canonical: str) -> str:
+    """`--no-x` for `--x` and `--x` for `--no-x`: vLLM's two spellings of one boolean."""
+    if canonical.startswith("--no-"):
+        return "--" + canonical[len("--no-") :]
+    return "--no-" + canonical[len("--") :]
+
+
+def overridden_args(
+    recipe: Recipe, args: Sequence[str], drop: Sequence[str], *, what: str
+) -> list[str]:
+    """The recipe's args with each flag of `args` replacing the recipe's own (or added at the
+    end) and the flags named in `drop` left out. `what` names the side in errors."""
+    overrides = _override_flags(args, f"{what} args")
+    present = {flag.canonical for flag in recipe.vllm_args.flags}
+    unknown = [name for name in drop if canonical_flag(name) not in present]
+    if unknown:
+        raise CompareError(
+            f"{what} drop_args: {', '.join(unknown)} not in recipe {recipe.recipe_id}'s args "
+            f"({', '.join(sorted(present)) or 'none'}); drop only flags the recipe sets"
+        )
+    replaced = {canonical_flag(name) for name in drop}
+    for flag in overrides.flags:
+        replaced |= {flag.canonical, _negation(flag.canonical)}
+    kept = [flag for flag in recipe.vllm_args.flags if flag.canonical not in replaced]
+    return [*VllmArgs(tuple(kept)).argv(), *overrides.argv()]
+
+
+def variant_name(recipe_id: str, overrides: Mapping[str, Any]) -> str:
+    """`<recipe>.<8 hex>`: a recipe directory name (at most 40 characters, as a deployment id's
+    recipe part) naming these overrides of this recipe."""
+    digest = hashlib.sha256(
+        json.dumps([recipe_id, overrides], sort_keys=True).encode()
+    ).hexdigest()[:8]
+    return f"{recipe_id[:31]}.{digest}"
+
+
+def write_variant(
+    recipe: Recipe,
+    directory: Path,
+    *,
+    args: Sequence[str] = (),
+    drop_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    docker_image: str | None = None,
+    what: str = "variant",
+) -> Path:
+    """The overridden recipe's file, written (if its text changed) and loaded back; a recipe
+    the overrides make invalid raises CompareError with every problem."""
+    overrides: dict[str, Any] = {
+        "args": list(args),
+        "drop_args": list(drop_args),
+        "env": dict(env or {}),
+        "docker_image": docker_image,
+    }
+    update: dict[str, Any] = {
+        "args": overridden_args(recipe, args, drop_args, what=what),
+        "env": {**recipe.env, **(env or {})},
+    }
+    if docker_image is not None:
+        update["docker_image"] = docker_image
+    variant = recipe.model_copy(update=update)
+    name = variant_name(recipe.recipe_id, overrides)
+    shown = {key: value for key, value in overrides.items() if value}
+    shown["env"] = {
+        key: ("***" if recipe.is_secret_env(key) else value) for key, value in (env or {}).items()
+    }
+    text = recipe_toml(
+        variant,
+        [
+            f"Written by the compare flow: recipe {recipe.recipe_id} with {json.dumps(shown)}.",
+            "Generated: edit the recipe or the compare's parameters, not this file.",
+        ],
+    )
+    path = directory / name / "recipe.toml"
+    try:
+        if not path.exists() or path.read_text() != text:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            partial = path.with_name(".recipe.toml.partial")
+            partial.touch(mode=0o600)
+            partial.write_text(text)
+            partial.replace(path)
+    except OSError as error:
+        raise CompareError(
+            f"{what}: cannot write the variant recipe {path}: {error}; set "
+            f"SPARKDEPLOY_VARIANTS_DIR to a writable directory of the flow host"
+        ) from error
+    try:
+        load_recipe(path)
+    except RecipeError as error:
+        raise CompareError(
+            f"{what}: the overrides {json.dumps(shown)} make recipe {recipe.recipe_id} invalid:"
+            f"\n{error}"
+        ) from None
+    return path

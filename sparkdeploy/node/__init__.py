@@ -1,0 +1,1 @@
+"""Code that runs ON a node: standard library only, shipped over SSH by remote.node_script."""

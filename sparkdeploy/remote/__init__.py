@@ -1,0 +1,1 @@
+"""How we reach nodes, engines and the hub: SSH, docker over SSH, node scripts, HTTP."""

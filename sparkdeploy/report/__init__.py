@@ -1,0 +1,1 @@
+"""What the artifacts show people: markdown tables and SVG charts."""

@@ -1,0 +1,1 @@
+"""The pipeline's steps, each module named as its Prefect task."""

@@ -1,0 +1,93 @@
+"""Prefect tasks of the compare flow: the sides prepared before anything is deployed, and the
+side-by-side artifact at the end (logic in sparkdeploy.steps.compare)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.logging import get_run_logger
+from prefect.states import State
+from prefect.utilities.urls import url_for
+
+from sparkdeploy.errors import InventoryError
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.project import find_cluster, variants_dir
+from sparkdeploy.steps.compare import (
+    CompareSide,
+    Comparison,
+    NoiseRule,
+    Placement,
+    PreparedComparison,
+    SideOutcome,
+    failure_cause,
+    prepare,
+)
+from tasks.common import artifact_key
+
+
+@task(name="prepare-comparison")
+def prepare_comparison(
+    side_a: CompareSide, side_b: CompareSide, cluster: str, placement: Placement
+) -> PreparedComparison:
+    """Both sides loaded, overridden, placed and planned; every input problem fails the run
+    here, before a node is touched. No retries: such problems need a person."""
+    logger = get_run_logger()
+    inventory = load_cluster(find_cluster(cluster))
+    missing = inventory.missing_files()
+    if missing:
+        raise InventoryError("\n".join(missing))
+    prepared = prepare(side_a, side_b, inventory, placement, variants=variants_dir())
+    for side in prepared.sides:
+        logger.info(
+            "side %s: %s on %s (deployment %s; recipe %s)",
+            side.label,
+            side.description,
+            ", ".join(side.nodes),
+            side.deployment_id,
+            side.recipe,
+        )
+    logger.info("placement: %s", prepared.placement)
+    logger.info("%s", prepared.diff.text())
+    return prepared
+
+
+def state_failure(state: State[Any]) -> str:
+    """Why a run (a side, its deploy, its benchmark) ended in this state."""
+    error = state.result(raise_on_failure=False)
+    if isinstance(error, BaseException):
+        return failure_cause(error)
+    return f"the run ended {state.type.value.lower()}: {state.message or 'no message'}"
+
+
+def outcome_of(label: str, state: State[SideOutcome]) -> SideOutcome:
+    """A side's outcome from its flow run's final state, with the run's id."""
+    run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
+    if state.is_completed():
+        outcome: SideOutcome = state.result()
+        return dataclasses.replace(outcome, flow_run_id=run_id)
+    return SideOutcome(label, failed_at="side", cause=state_failure(state), flow_run_id=run_id)
+
+
+@task(name="publish-comparison")
+def publish_comparison(
+    prepared: PreparedComparison, a: SideOutcome, b: SideOutcome, noise: NoiseRule
+) -> Comparison:
+    """The side-by-side table with a verdict per row, the chart and the two runs' links, as a
+    markdown artifact."""
+    comparison = Comparison.of(prepared, a, b, noise)
+    links = {
+        side.label: url
+        for side in (a, b)
+        if side.flow_run_id and (url := url_for("flow-run", obj_id=side.flow_run_id))
+    }
+    create_markdown_artifact(
+        key=artifact_key("compare", f"{prepared.a.recipe_id}-vs-{prepared.b.recipe_id}"),
+        markdown=comparison.markdown(links),
+        description=f"A: {prepared.a.description} / B: {prepared.b.description}: "
+        + comparison.summary_line(),
+    )
+    get_run_logger().info("%s", comparison.summary_line())
+    return comparison

@@ -1,0 +1,37 @@
+"""Prefect task: the fit check, before anything is put on a node (logic in
+sparkdeploy.steps.fit)."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.logging import get_run_logger
+
+from sparkdeploy.errors import DoesNotFit
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.steps.fit import fit_report
+from tasks.common import artifact_key
+
+
+@task(name="fit")
+def check_fit(plan: Plan) -> Plan:
+    """The plan with its fit figures; DoesNotFit, naming the figures and the knobs to turn, when
+    the model, its KV cache and the engine cannot fit a node. No retries: its inputs are files.
+    """
+    logger = get_run_logger()
+    report = fit_report(plan)
+    create_markdown_artifact(
+        key=artifact_key("fit", plan.deployment_id),
+        markdown=report.markdown(),
+        description=f"{plan.recipe} on {plan.cluster}: memory fit",
+    )
+    logger.info("fit: %s", report.summary_line())
+    for node in report.nodes:
+        logger.info("fit: %s", node.line())
+    for note in report.notes:
+        logger.info("fit: %s", note)
+    for warning in report.warnings:
+        logger.warning("fit: %s", warning)
+    if report.refusal is not None:
+        raise DoesNotFit(report.refusal)
+    return plan.model_copy(update={"fit": report})

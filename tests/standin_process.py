@@ -1,0 +1,79 @@
+"""One engine stand-in (lab/engine/vllm_standin.py) as a local process on loopback, serving a
+lab.tinymodel repo from a temporary HF cache; for the benchmark's tests and bench/. Stopped by
+its PID when the `with` block ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from hfcache_layout import cache_repo
+
+from lab.tinymodel import generate_repo
+from sparkdeploy.steps.readiness_gate import probe_endpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STANDIN = REPO_ROOT / "lab" / "engine" / "vllm_standin.py"
+MODEL = "lab/tiny-chat"
+SERVED = "tiny"
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def local_standin(*flags: str, env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """The endpoint (http://127.0.0.1:PORT) of a ready stand-in serving `SERVED`."""
+    with tempfile.TemporaryDirectory(prefix="standin-") as workdir:
+        root = Path(workdir)
+        cache_repo(generate_repo(root / "repos", MODEL), root / "hf-cache")
+        port = _free_port()
+        with open(root / "engine.log", "wb") as log:
+            process = subprocess.Popen(
+                [
+                    *(sys.executable, str(STANDIN), "serve", MODEL, "--served-model-name", SERVED),
+                    *("--host", "127.0.0.1", "--port", str(port), *flags),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={
+                    **os.environ,
+                    "PYTHONPATH": str(REPO_ROOT),
+                    "HF_HUB_CACHE": str(root / "hf-cache"),
+                    "HF_HUB_OFFLINE": "1",
+                    "STANDIN_FAULT": "",
+                    **(env or {}),
+                },
+                start_new_session=True,
+            )
+        try:
+            endpoint = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while not probe_endpoint(endpoint, SERVED, timeout=1.0).ready:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the stand-in did not get ready: {(root / 'engine.log').read_text()}"
+                    )
+                time.sleep(0.05)
+            yield endpoint
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=STOP_TIMEOUT_S)
