@@ -22,6 +22,20 @@ except ImportError:  # copied flat into the engine image
         gloo_peer_closed_line,
     )
 
+# Fatal kinds named like the gate's marker for the line they print (sparkdeploy/vllm/markers.py
+# names the upstream file of each): what a GPU cluster prints and a CPU one cannot.
+MARKER_NAMED_KINDS = (
+    "nccl_error",
+    "dist_backend_error",
+    "dist_store_error",
+    "workers_never_joined",
+    "worker_proc_died",
+    "rpc_timed_out",
+    "engine_core_proc_died",
+    "engine_core_fatal",
+    "engine_dead",
+    "worker_died",
+)
 # Where in the boot each fatal kind strikes, and what it prints.
 FATAL_PHASES = {
     "free_memory": "startup",
@@ -33,18 +47,8 @@ FATAL_PHASES = {
     "engine_core_failed": "kv_cache",
     "glm_mla_stride": "kv_cache",
     "fp8_kv_fa3": "kv_cache",
-    # The distributed layer's and the engine core's deaths (vllm_markers.py names the upstream
-    # file of each), while the weights load: what a GPU cluster prints and a CPU one cannot.
-    "nccl_error": "load",
-    "dist_backend_error": "load",
-    "dist_store_error": "load",
-    "workers_never_joined": "load",
-    "worker_proc_died": "load",
-    "rpc_timed_out": "load",
-    "engine_core_proc_died": "load",
-    "engine_core_fatal": "load",
-    "engine_dead": "load",
-    "worker_died": "load",
+    # The distributed layer's and the engine core's deaths, while the weights load.
+    **dict.fromkeys(MARKER_NAMED_KINDS, "load"),
 }
 
 SWITCHES = (

@@ -192,9 +192,9 @@ def _pull(
     """Pull on one node, logging docker's layer lines as they come; returns layers downloaded.
 
     docker pulls through the node's registry mirrors and, when one does not answer, falls back
-    to the upstream registry: a down mirror then looks like a missing image or an unreachable
-    upstream. So when the pull fails so, the mirrors are asked from the node, and a mirror that
-    does not answer is the transient cause, retried."""
+    to the upstream registry (docs/field.md#nodes-and-fabric): a down mirror then looks like a
+    missing image or an unreachable upstream. So when the pull fails so, the mirrors are asked
+    from the node, and a mirror that does not answer is the transient cause, retried."""
     log(f"node {node}: pulling {reference}")
 
     def pull() -> CommandResult:
