@@ -301,8 +301,13 @@ def test_the_watchdog_event_and_the_automation_recover_a_deployment_that_died(
         webhook.close()
         chain = sorted(runs_of("deploy/deploy") + runs_of(watchdog), key=started)
         print("\nrun history of the recovery:")
+        deploys = {run.id for run in runs_of("deploy/deploy")}
         for run in chain:
-            print(history_line(run, since))
+            did = "(booted)" if booted(run) else "(already serving: nothing done)"
+            print(
+                history_line(run, since),
+                did if run.id in deploys and run.state.is_completed() else "",
+            )
         teardown("lab-dies-once", cluster=cluster)
     # The chain, in order: the deploy, the watchdog run that found it down (the first one after
     # it died: within one interval), the one repair, a healthy watchdog run.
