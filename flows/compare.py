@@ -31,7 +31,12 @@ from sparkdeploy.steps.compare import (
     smoke_failure,
 )
 from tasks.benchmark import benchmark_deployment
-from tasks.compare import outcome_of, prepare_comparison, publish_comparison, state_failure
+from tasks.compare import (
+    outcome_of_run,
+    prepare_comparison,
+    publish_comparison,
+    state_failure,
+)
 from tasks.plan import plan_deployment
 from tasks.smoke_test import smoke_test
 from tasks.teardown import teardown_deployment
@@ -108,15 +113,18 @@ def compare(
 ) -> Comparison:
     prepared = prepare_comparison(side_a, side_b, cluster, placement)
 
-    def run(side: PreparedSide) -> State[SideOutcome]:
-        return compare_side(
+    def run(side: PreparedSide) -> SideOutcome:
+        return outcome_of_run(
             side.label,
-            side.recipe,
-            cluster,
-            side.nodes,
-            settings,
-            lock_timeout_s,
-            return_state=True,
+            lambda: compare_side(
+                side.label,
+                side.recipe,
+                cluster,
+                side.nodes,
+                settings,
+                lock_timeout_s,
+                return_state=True,
+            ),
         )
 
     if prepared.at_once:
@@ -124,12 +132,9 @@ def compare(
             futures = [
                 pool.submit(contextvars.copy_context().run, run, side) for side in prepared.sides
             ]
-            states = [future.result() for future in futures]
+            a, b = (future.result() for future in futures)
     else:
-        states = [run(side) for side in prepared.sides]
-    a, b = (
-        outcome_of(side.label, state) for side, state in zip(prepared.sides, states, strict=True)
-    )
+        a, b = (run(side) for side in prepared.sides)
     comparison = publish_comparison(prepared, a, b, NoiseRule(relative=noise_floor))
     if comparison.failed:
         raise CompareError(
