@@ -107,6 +107,12 @@ def compare(
         description="The smallest relative difference of a benchmark figure that counts as "
         "better or worse, whatever the spread of the repeats (0.1: 10 %).",
     ),
+    latency_floor_ms: float = Field(
+        default=NoiseRule().latency_floor_s * 1000,
+        ge=0,
+        description="The smallest latency difference (ms) that counts: the hosts' timer and "
+        "scheduling jitter (the lab's shared cores: about 10).",
+    ),
     lock_timeout_s: float = Field(
         default=600.0, description="How long a side waits for its nodes if another holds them."
     ),
@@ -135,7 +141,8 @@ def compare(
             a, b = (future.result() for future in futures)
     else:
         a, b = (run(side) for side in prepared.sides)
-    comparison = publish_comparison(prepared, a, b, NoiseRule(relative=noise_floor))
+    noise = NoiseRule(relative=noise_floor, latency_floor_s=latency_floor_ms / 1000)
+    comparison = publish_comparison(prepared, a, b, noise)
     if comparison.failed:
         raise CompareError(
             "; ".join(f"side {side.label} {side.state_text()}" for side in comparison.failed)
