@@ -1,32 +1,101 @@
 """The `deploy` flow: a recipe onto a cluster's nodes, from the NAS to a smoke-tested endpoint.
 
-Composition only: every step is a task (tasks/), every decision is in sparkdeploy/.
+Composition only: every step is a task (tasks/), every decision is in sparkdeploy/. From the
+hold of the nodes to the smoke test the steps run in one Prefect transaction
+(https://docs.prefect.io/v3/advanced/transactions): when a step fails, the rollback hooks of the
+steps that completed undo them, latest first (boot's removes the containers it started,
+hold-nodes' gives the nodes back), and a replacing deploy then brings back what it replaced.
+A killed process runs no hook: what it leaves is taken over by the next deploy
+(sparkdeploy.steps.hold_nodes, sparkdeploy.steps.replace).
 """
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import Literal
 
 from prefect import flow
+from prefect.exceptions import CancelledRun
+from prefect.transactions import transaction
 
+from sparkdeploy.errors import RollbackFailed, RolledBack
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.steps.hold_nodes import Replaced
+from sparkdeploy.steps.readiness_gate import GateResult
+from sparkdeploy.steps.replace import Replacement, rollback_message
+from sparkdeploy.steps.running_copy import RunningCopy
 from sparkdeploy.steps.summary import DeploySummary, StepClock
-from tasks.boot import boot_deployment
+from tasks.boot import KEEP_ON_FAILURE, boot_deployment
 from tasks.compose_model import compose_models_on_nodes
 from tasks.fit import check_fit
-from tasks.hold_nodes import hold_nodes, let_go_of_nodes
+from tasks.hold_nodes import hold_nodes
 from tasks.image import ensure_images
 from tasks.plan import plan_deployment
 from tasks.prefetch import prefetch_repos
 from tasks.readiness_gate import readiness_gate
+from tasks.repair_budget import start_repair
+from tasks.replace import commit, find_replacement, retire_replaced
 from tasks.runlabels import label_flow_run
+from tasks.running_copy import check_running_copy
 from tasks.smoke_test import smoke_test
 from tasks.stage_engram import stage_engram_on_nodes
 from tasks.summary import publish_summary
-from tasks.teardown import tear_down_cancelled_run, teardown_deployment
+from tasks.teardown import tear_down_cancelled_run
 
 # Steps a deploy may skip, e.g. skip=["prefetch"] when the NAS is known to be complete, or
 # skip=["fit"] for a model the fit check sizes wrongly (docs/field.md#memory-fit).
 Step = Literal["prefetch", "fit", "stage", "image", "compose", "smoke"]
+# Bringing back a replaced deployment: its nodes are this run's already (given back by the
+# rollback), so holding them again takes no wait.
+BRING_BACK_LOCK_TIMEOUT_S = 60.0
+
+
+def _prepare(plan: Plan, skipped: AbstractSet[str], clock: StepClock) -> None:
+    """Engram copies, composed models and the image on every node (each fans out over nodes)."""
+    with clock.step("stage, image, compose"):
+        # The image comes while the nodes stage and compose.
+        image = None if "image" in skipped else ensure_images.submit(plan)
+        if "stage" not in skipped:
+            stage_engram_on_nodes(plan)
+        if "compose" not in skipped:
+            compose_models_on_nodes(plan)
+        if image is not None:
+            image.result()
+
+
+def _start(plan: Plan, skipped: AbstractSet[str], clock: StepClock) -> GateResult:
+    """Containers up, ready, smoke-tested."""
+    with clock.step("boot"):
+        boot_deployment(plan)
+    with clock.step("readiness"):
+        gate = readiness_gate(plan)
+    if "smoke" not in skipped:
+        with clock.step("smoke"):
+            smoke_test(plan)
+    return gate
+
+
+def _bring_back(old: Replaced, cluster: str) -> Plan:
+    """A replaced deployment up again on its nodes, from its recipe; in a transaction of its own,
+    so a failure leaves nothing of it running and its nodes free."""
+    plan = plan_deployment(old.recipe, cluster, list(old.nodes), allow_blocked=True)
+    clock = StepClock()
+    with transaction():
+        hold_nodes(plan, lock_timeout_s=BRING_BACK_LOCK_TIMEOUT_S)
+        _prepare(plan, set(), clock)
+        _start(plan, set(), clock)
+    return plan
+
+
+def _already_serving(plan: Plan, running: RunningCopy, clock: StepClock, how: str) -> DeploySummary:
+    summary = DeploySummary.of(
+        plan,
+        clock.durations(),
+        ready_after_s=None,
+        note=f"Already serving: {running.reason}; {how}. Nothing else was done.",
+    )
+    publish_summary(summary)
+    return summary
 
 
 @flow(
@@ -45,68 +114,113 @@ def deploy(
     allow_blocked: bool = False,
     keep_on_failure: bool = False,
     lock_timeout_s: float = 600.0,
+    replace: bool = False,
+    ensure: bool = False,
+    repair_cause: str | None = None,
+    repairs_per_hour: int = 2,
 ) -> DeploySummary:
     """Deploy `recipe` on `cluster` (its first required_nodes nodes unless `nodes` names them).
 
     Once the NAS holds the model, the fit check refuses a recipe whose model, KV cache and
     engine cannot fit a node's memory. The nodes are held for the deployment before anything is
-    put on them; a node held by
-    another deployment is waited for up to lock_timeout_s. A failure from the boot on tears
-    the deployment down and lets its nodes go, unless keep_on_failure is set and the containers
-    started; an earlier failure lets go of the nodes this run took.
+    put on them; a node held by another deployment is waited for up to lock_timeout_s. A failure
+    from the boot on tears the deployment down and lets its nodes go, unless keep_on_failure is
+    set and the containers started; an earlier failure lets go of the nodes this run took.
+
+    replace: the deployments of ours on these nodes are replaced: they serve on while this one
+    is prepared, and their containers are removed just before its boot; if it then fails its
+    boot, readiness gate or smoke test, they are brought back (same recipe, same nodes) and the
+    run fails saying "rolled back to X, which is serving again" (with keep_on_failure, the
+    failed one is kept for a look instead, and nothing is brought back).
+    ensure: when this very deployment (same recipe, revisions, image ID and nodes) already runs
+    and passes the smoke test, nothing else is done; otherwise it is deployed, replacing what
+    runs on its nodes. The default of scheduled deploys.
+    repair_cause: set by the watchdog's automation to the unhealthy event's cause: ensure, and
+    refused once repairs_per_hour repairs of this deployment started within the past hour.
     """
     skipped = set(skip or ())
     clock = StepClock()
-    booted = False
     with clock.step("plan"):
         plan = plan_deployment(recipe, cluster, nodes, allow_blocked=allow_blocked)
     label_flow_run(plan)
-    # The run's tags (recipe, cluster, nodes) are on the flow run (label_flow_run), not on each
-    # task run: a tagged task run asks Prefect for its tag concurrency slots before it starts,
-    # which stalled warm deploys for seconds.
-    # The nodes are held (waiting for another deployment if need be) while the NAS fills.
-    held = hold_nodes.submit(plan, lock_timeout_s=lock_timeout_s)
+    ensuring = ensure or repair_cause is not None
+    replacement = find_replacement(plan, cluster) if replace or ensuring else Replacement.none()
+    if ensuring:
+        # Outside the transaction: a failed smoke test here is a finding, not a failed step.
+        running = check_running_copy(plan)
+        if running.serving and smoke_test(plan, return_state=True).is_completed():
+            if replacement.replacing:
+                commit(plan, replacement)
+            return _already_serving(plan, running, clock, "the smoke test passed")
+        if repair_cause is not None:
+            start_repair(plan, repair_cause, per_hour=repairs_per_hour)
+    # Submitted outside the transaction: only what touches the nodes is rolled back. The fit
+    # check follows the prefetch (it reads the safetensors headers in the NAS), before anything
+    # is put on a node.
+    prefetched = (
+        None
+        if "prefetch" in skipped
+        else prefetch_repos.submit(plan.repos, plan.nas_hf_cache, plan.hub_endpoint)
+    )
+    fitted = (
+        None
+        if "fit" in skipped
+        else check_fit.submit(plan, return_state=False, wait_for=[prefetched] if prefetched else [])
+    )
+    retiring = False
     try:
-        if "prefetch" not in skipped:
+        with transaction() as deploy_transaction:
+            deploy_transaction.set(KEEP_ON_FAILURE, keep_on_failure)
+            # The nodes are held (waiting for another deployment if need be) while the NAS
+            # fills and the fit is checked; all are waited for before a failure of one rolls
+            # back, so that the rollback gives back what the hold took.
+            held = hold_nodes.submit(
+                plan, lock_timeout_s=lock_timeout_s, replacing=replacement.replacing
+            )
             with clock.step("prefetch"):
-                prefetch_repos(plan.repos, plan.nas_hf_cache, plan.hub_endpoint)
-        if "fit" not in skipped:
-            # Before anything is put on a node: a recipe that cannot fit is refused here.
+                if prefetched is not None:
+                    prefetched.wait()
             with clock.step("fit"):
-                plan = check_fit(plan)
-        with clock.step("hold nodes"):
+                if fitted is not None:
+                    fitted.wait()
+            with clock.step("hold nodes"):
+                held.wait()
+            if prefetched is not None:
+                prefetched.result()
+            if fitted is not None:
+                plan = fitted.result()
             held.result()
-        with clock.step("stage, image, compose"):
-            # The image comes while the nodes stage and compose; each step fans out over nodes.
-            image = None if "image" in skipped else ensure_images.submit(plan)
-            if "stage" not in skipped:
-                stage_engram_on_nodes(plan)
-            if "compose" not in skipped:
-                compose_models_on_nodes(plan)
-            if image is not None:
-                image.result()
-    except BaseException:
-        # Nothing of this run is running: it lets go of the nodes it took (once its wait for
-        # them is over) and of no others: a running deployment it was to replace stays up.
-        taken = held.result(raise_on_failure=False)
-        if isinstance(taken, list) and taken:
-            let_go_of_nodes(plan, taken)
-        raise
-    try:
-        with clock.step("boot"):
-            boot_deployment(plan)
-        booted = True
-        with clock.step("readiness"):
-            gate = readiness_gate(plan)
-        if "smoke" not in skipped:
-            with clock.step("smoke"):
-                smoke_test(plan)
-    except BaseException:
-        # A failed boot removed its containers; the nodes are let go whatever keep_on_failure
-        # says, since nothing is left to inspect.
-        if not (booted and keep_on_failure):
-            teardown_deployment(plan.deployment_id, plan.cluster)
-        raise
+            if ensuring:
+                # Another deploy (a repair, say) may have redeployed it while this one waited.
+                now = check_running_copy(plan)
+                if now.made_to_serve_since(running):
+                    if replacement.replacing:
+                        commit(plan, replacement)
+                    return _already_serving(
+                        plan, now, clock, "another deploy redeployed it while this one waited"
+                    )
+            _prepare(plan, skipped, clock)
+            if replacement.replacing:
+                retiring = True
+                with clock.step("retire replaced"):
+                    retire_replaced(plan, replacement, cluster)
+            gate = _start(plan, skipped, clock)
+            if replacement.replacing:
+                commit(plan, replacement)
+    except Exception as failure:
+        # Before the replaced deployments were removed they serve on, and the rollback gave
+        # their nodes back; a cancelled run leaves them to the next deploy.
+        if not retiring or keep_on_failure or isinstance(failure, CancelledRun):
+            raise
+        brought: list[Plan] = []
+        lost: list[tuple[Replaced, BaseException]] = []
+        for old in replacement.bring_back:
+            try:
+                brought.append(_bring_back(old, cluster))
+            except Exception as error:
+                lost.append((old, error))
+        message = rollback_message(failure, plan, brought, lost)
+        raise (RollbackFailed(message) if lost else RolledBack(message)) from failure
     summary = DeploySummary.of(
         plan,
         clock.durations(),

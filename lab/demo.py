@@ -5,7 +5,9 @@ models published, a local Prefect server (SQLite under .prefect/) and a process 
 the deployments registered, then `prefect deployment run 'deploy/deploy'` of the DSV4.1-shaped
 lab recipe (with `--real`: real vLLM's CPU build, two nodes, tensor parallel 2; its runtime, image
 and model are installed first, once per machine). It prints the endpoint, a sample answer and the
-run's UI address, and leaves the deployment, the server and the worker running for a look around.
+run's UI address, and leaves the deployment, the server and the worker running for a look around,
+with a scheduled deploy of the same recipe with ensure semantics (every ENSURE_INTERVAL_S: a
+smoke test while it serves, a redeploy when it does not).
 `python -m lab.demo down` stops all of it (by the PIDs recorded in .prefect/demo.json) and tears
 the lab down.
 """
@@ -28,6 +30,7 @@ from lab.prefect_local import (
     PROJECT_ROOT,
     PrefectServer,
     register_deployments,
+    register_ensure,
     run_prefect,
     start_worker,
 )
@@ -44,6 +47,7 @@ PREFECT_HOME = PROJECT_ROOT / ".prefect"
 STATE_FILE = PREFECT_HOME / "demo.json"
 SERVER_PORT = 4200
 DEPLOY_TIMEOUT_S = 900.0
+ENSURE_INTERVAL_S = 600
 _FLOW_RUN_ID = re.compile(r"UUID:\s*([0-9a-f-]{36})")
 
 
@@ -119,6 +123,8 @@ def up(*, real: bool = False) -> int:
     )
     match = _FLOW_RUN_ID.search(result.stdout)
     run_url = f"{server.ui_url}/runs/flow-run/{match.group(1)}" if match else server.ui_url
+    ensure = register_ensure(server.env(), recipe, LAB_NAME, interval_s=ENSURE_INTERVAL_S)
+    _say(f"{ensure} keeps it up: every {ENSURE_INTERVAL_S} s a smoke test, a redeploy if need be")
     plan = load_plan(recipe, LAB_NAME)
     reply = engine_http.request(
         "POST",

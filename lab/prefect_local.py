@@ -5,6 +5,7 @@ Everything here is a child process started with an explicit environment and stop
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,10 +159,50 @@ def run_prefect(
     return result
 
 
-def register_deployments(env: Mapping[str, str]) -> None:
-    """The process work pool and the lab's deployments (lab/prefect.yaml), (re)created."""
+def register_deployments(env: Mapping[str, str], names: Sequence[str] = ()) -> None:
+    """The process work pool and the lab's deployments (lab/prefect.yaml: all, or those named),
+    (re)created."""
     run_prefect(env, "work-pool", "create", WORK_POOL, "--type", "process", "--overwrite")
-    run_prefect(env, "deploy", "--all", "--no-prompt", "--prefect-file", str(LAB_PREFECT_FILE))
+    selected = [arg for name in names for arg in ("--name", name)] or ["--all"]
+    run_prefect(env, "deploy", *selected, "--no-prompt", "--prefect-file", str(LAB_PREFECT_FILE))
+
+
+def register_interval(
+    env: Mapping[str, str],
+    entrypoint: str,
+    name: str,
+    parameters: Mapping[str, object],
+    *,
+    interval_s: int,
+    description: str,
+) -> str:
+    """A deployment of the flow at `entrypoint` run every interval_s seconds with `parameters`,
+    one run at a time (a run due while the last one still goes is cancelled); its full name."""
+    run_prefect(
+        env,
+        "deploy",
+        entrypoint,
+        *("--name", name, "--pool", WORK_POOL, "--interval", str(interval_s)),
+        *("--params", json.dumps(dict(parameters))),
+        *("--concurrency-limit", "1", "--collision-strategy", "CANCEL_NEW"),
+        *("--description", description),
+        *("--no-prompt", "--prefect-file", str(LAB_PREFECT_FILE)),
+    )
+    flow_name = entrypoint.rpartition(":")[2]
+    return f"{flow_name}/{name}"
+
+
+def register_ensure(env: Mapping[str, str], recipe: str, cluster: str, *, interval_s: int) -> str:
+    """A scheduled deploy of `recipe` with ensure semantics every interval_s seconds (prefect.yaml
+    shows the same for a real cluster, commented); its full name."""
+    return register_interval(
+        env,
+        "flows/deploy.py:deploy",
+        f"ensure-{recipe}",
+        {"recipe": recipe, "cluster": cluster, "ensure": True},
+        interval_s=interval_s,
+        description=f"Keep {recipe} serving on {cluster} (ensure, every {interval_s} s)",
+    )
 
 
 def start_worker(env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:

@@ -1,8 +1,9 @@
 """`sparkdeploy validate`, `plan` and `diff`: check files, show plans, compare recipes, touching
-no node.
+no node; `status`: what runs on a cluster; `notify`: the unhealthy-deployment notification.
 
-Imports stay light (no prefect, paramiko, docker or huggingface_hub) so validating every recipe
-takes well under a second after start-up.
+Imports stay light (no prefect, paramiko, docker or huggingface_hub at module level) so
+validating every recipe takes well under a second after start-up; status and notify import
+what they need when they run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from sparkdeploy.vllm.args import is_flag
 
 app = typer.Typer(
     help="Validate recipes and cluster inventories; show what a deployment would run; compare "
-    "two recipes.",
+    "two recipes; show what runs, and tell someone when it fails.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -228,3 +229,57 @@ def diff(
     result = diff_recipes(*recipes, a_name=recipe_a, b_name=recipe_b)
     typer.echo(result.text())
     raise typer.Exit(0 if result.same else 1)
+
+
+@app.command()
+def status(
+    cluster: Annotated[
+        str, typer.Argument(help="An inventory name (clusters/NAME.toml, a lab's) or a path.")
+    ],
+) -> None:
+    """Each deployment of ours on the cluster: health, uptime, last smoke test and last event
+    (these two from the Prefect server PREFECT_API_URL names)."""
+    from datetime import UTC, datetime
+
+    from prefect import get_client
+
+    from sparkdeploy.model.project import find_cluster
+    from sparkdeploy.report.history import read_history
+    from sparkdeploy.steps.status import cluster_status
+
+    try:
+        statuses = cluster_status(load_cluster(find_cluster(cluster)))
+    except SparkDeployError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    now = datetime.now(UTC)
+    with get_client(sync_client=True) as client:
+        history = read_history(client, [s.deployment_id for s in statuses], now)
+    for found in statuses:
+        typer.echo(found.line(now, history.get(found.deployment_id)))
+    if not statuses:
+        typer.echo(f"nothing of ours runs on cluster {cluster}")
+
+
+@app.command()
+def notify(
+    block: Annotated[
+        str,
+        typer.Argument(
+            help="The notification block, BLOCK_TYPE/BLOCK_NAME as `prefect block ls` lists it."
+        ),
+    ],
+) -> None:
+    """Create or update the automation that sends each unhealthy-deployment event of the
+    watchdog, with its cause, through the given notification block."""
+    from prefect import get_client
+
+    from sparkdeploy.report.notify import NOTIFY_AUTOMATION, apply_notify_automation
+
+    try:
+        with get_client(sync_client=True) as client:
+            automation_id = apply_notify_automation(client, block)
+    except SparkDeployError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"automation {NOTIFY_AUTOMATION!r} ({automation_id}) sends to {block}")

@@ -135,3 +135,20 @@ class BenchmarkError(SparkDeployError):
 
 class CompareError(SparkDeployError):
     """A compare's sides are malformed: an override a recipe cannot take, nodes that clash."""
+
+
+class RolledBack(SparkDeployError):
+    """A replacing deploy failed and what it replaced serves again (named in the message)."""
+
+
+class RepairLimitReached(SparkDeployError):
+    """An automated repair was refused: the deployment was repaired too often in the past hour,
+    so it is left for a person (the message names the earlier repairs)."""
+
+
+class ReplaceRefused(SparkDeployError):
+    """A deployment cannot be replaced: it could not be brought back if the new one failed."""
+
+
+class RollbackFailed(SparkDeployError):
+    """A replacing deploy failed and what it replaced could not be brought back either."""

@@ -1,14 +1,18 @@
-"""What every task module shares: retry conditions and artifact keys."""
+"""What every task module shares: retry conditions and artifact keys
+(sparkdeploy.report.history)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 from prefect import Task
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
+
+from sparkdeploy.report.history import artifact_key
+
+__all__ = ["RetryCondition", "artifact_key", "retry_only"]
 
 RetryCondition = Callable[[Task[Any, Any], TaskRun, State[Any]], bool]
 
@@ -27,8 +31,3 @@ def retry_only(*transient: type[BaseException]) -> RetryCondition:
         return False
 
     return condition
-
-
-def artifact_key(prefix: str, name: str) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    return f"{prefix}-" + re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")

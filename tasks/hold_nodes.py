@@ -1,51 +1,87 @@
 """Prefect task: the plan's nodes held for its deployment (logic in
-sparkdeploy.steps.hold_nodes)."""
+sparkdeploy.steps.hold_nodes).
+
+In the deploy's transaction, its rollback hook gives back the nodes this call took: to the
+deployment each replaced, else released (https://docs.prefect.io/v3/advanced/transactions).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prefect import task
 from prefect.logging import get_run_logger
+from prefect.transactions import Transaction, get_transaction
 
 from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.remote.docker_cli import deployments_present
 from sparkdeploy.remote.node_identity import machine_ids
 from sparkdeploy.remote.targets import plan_targets
-from sparkdeploy.steps.hold_nodes import DEFAULT_TIMEOUT_S, acquire_nodes, release_nodes
+from sparkdeploy.steps.hold_nodes import DEFAULT_TIMEOUT_S, Replaced, acquire_nodes, give_back
+from tasks.boot import KEPT
 from tasks.common import retry_only
+
+# What a hold_nodes call took, kept in its own transaction for its rollback hook.
+_TAKEN = "taken"
+_PLAN = "plan"
 
 
 @task(
     name="hold-nodes",
+    task_run_name="hold-nodes {plan.deployment_id}",
     retries=2,
     retry_delay_seconds=[5, 30],
     retry_condition_fn=retry_only(TransientRemoteError),
 )
-def hold_nodes(plan: Plan, *, lock_timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
+def hold_nodes(
+    plan: Plan,
+    *,
+    lock_timeout_s: float = DEFAULT_TIMEOUT_S,
+    replacing: Mapping[str, Replaced] | None = None,
+) -> list[str]:
     """Hold the plan's nodes, waiting up to lock_timeout_s for another deployment to let go;
     the nodes newly taken. Held before anything is put on the nodes (a deployment that stages
     an Engram file in place or swaps a composed dir must not do it under a running one) and
     until the teardown task lets go. A holder whose flow run has ended and whose containers
-    are gone from the node is taken over, with a warning naming it.
+    are gone from the node is taken over, with a warning naming it; so is one whose deployment
+    this deploy replaces (`replacing`, sparkdeploy.steps.replace).
 
     The locks are the machines' (their /etc/machine-id, read here over the SSH connection the
     later steps reuse): a deployment from another inventory that names the same machine is
     waited for too."""
     logger = get_run_logger()
     targets = plan_targets(plan)
-    return acquire_nodes(
+    taken = acquire_nodes(
         plan.cluster,
         machine_ids(targets),
         plan.deployment_id,
         timeout_s=lock_timeout_s,
-        containers_on=lambda holders: deployments_present(targets, holders),
+        containers_on=lambda ids: deployments_present(targets, ids),
+        replacing=replacing,
         log=logger.info,
         warn=logger.warning,
     )
+    transaction = get_transaction()
+    if transaction is not None:
+        transaction.set(_PLAN, plan)
+        transaction.set(_TAKEN, taken)
+    return taken
 
 
-@task(name="let-go-of-nodes")
-def let_go_of_nodes(plan: Plan, nodes: list[str]) -> list[str]:
-    """The given nodes of the plan released by its deployment (those a failed run took before
-    it put anything on them); the nodes let go."""
-    return release_nodes(plan.cluster, nodes, plan.deployment_id, log=get_run_logger().info)
+@hold_nodes.on_rollback
+def _give_back_nodes(transaction: Transaction) -> None:
+    """The deploy failed: the nodes this call took go back to the deployments they were taken
+    from (their containers may still run; the deploy brings back those it removed), the others
+    are released. Nodes this deployment held already stay held, and all of them while its
+    containers are kept for a look (keep_on_failure)."""
+    plan: Plan = transaction.get(_PLAN)
+    if transaction.get(KEPT, None) == plan.deployment_id:
+        get_run_logger().info("the nodes stay held by %s, kept for a look", plan.deployment_id)
+        return
+    give_back(
+        plan.cluster,
+        transaction.get(_TAKEN),
+        plan.deployment_id,
+        log=get_run_logger().info,
+    )

@@ -50,7 +50,7 @@ def timeline_rows(gate: ReadinessGate, failure: BootFailed | None) -> list[dict[
     return rows
 
 
-@task(name="readiness-gate", retries=0)
+@task(name="readiness-gate", task_run_name="readiness-gate {plan.deployment_id}", retries=0)
 def readiness_gate(plan: Plan, timeout_s: float | None = None) -> GateResult:
     """Ready = every marker on every node, then /health and /v1/models; else BootFailed.
 

@@ -10,25 +10,37 @@ from prefect.runtime import flow_run
 from sparkdeploy.model.plan import Plan
 
 
+def deployment_tag(plan: Plan) -> str:
+    return f"deployment:{plan.deployment_id}"
+
+
 def run_tags(plan: Plan) -> list[str]:
     return [
         f"recipe:{plan.recipe}",
         f"cluster:{plan.cluster}",
+        deployment_tag(plan),
         *(f"node:{node.node}" for node in plan.nodes),
     ]
 
 
-def label_flow_run(plan: Plan, verb: str = "deploy") -> None:
-    """Name the current flow run `<verb> <recipe> on <cluster> [nodes]` and tag it likewise."""
+def _update_current(name: str | None, tags: list[str]) -> None:
     current_id = flow_run.get_id()
     if current_id is None:
         return
     run_id = UUID(current_id)
-    nodes = ",".join(node.node for node in plan.nodes)
     with get_client(sync_client=True) as client:
         current = client.read_flow_run(run_id)
         client.update_flow_run(
-            run_id,
-            name=f"{verb} {plan.recipe} on {plan.cluster} [{nodes}]",
-            tags=sorted({*(current.tags or []), *run_tags(plan)}),
+            run_id, name=name or current.name, tags=sorted({*(current.tags or []), *tags})
         )
+
+
+def label_flow_run(plan: Plan, verb: str = "deploy") -> None:
+    """Name the current flow run `<verb> <recipe> on <cluster> [nodes]` and tag it likewise."""
+    nodes = ",".join(node.node for node in plan.nodes)
+    _update_current(f"{verb} {plan.recipe} on {plan.cluster} [{nodes}]", run_tags(plan))
+
+
+def tag_flow_run(*tags: str) -> None:
+    """Add tags to the current flow run."""
+    _update_current(None, list(tags))

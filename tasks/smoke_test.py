@@ -46,7 +46,7 @@ def smoke_settings(plan: Plan, *, request_timeout_s: float | None = None) -> Smo
     )
 
 
-@task(name="smoke-test", retries=0)
+@task(name="smoke-test", task_run_name="smoke-test {plan.deployment_id}", retries=0)
 def smoke_test(
     plan: Plan, request_timeout_s: float | None = None, *, raise_on_failure: bool = True
 ) -> SmokeReport:

@@ -17,7 +17,7 @@ from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.project import find_cluster, load_plan
 from sparkdeploy.remote.targets import cluster_targets, plan_targets
-from sparkdeploy.steps.hold_nodes import holders, release_nodes
+from sparkdeploy.steps.hold_nodes import give_back, holders, release_nodes
 from sparkdeploy.steps.teardown import TeardownReport, teardown
 from tasks.common import artifact_key, retry_only
 
@@ -69,9 +69,11 @@ def tear_down_cancelled_run(flow: Flow[Any, Any], flow_run: FlowRun, state: Stat
     before its teardown finished), outside the run's context: it knows only the run's
     parameters and plans again from them. It cleans the nodes this run holds and the free ones
     (a container of this deployment on a free node is an orphan of this run), never a node
-    another run holds (an earlier run of the same recipe may be serving there). A killed
-    worker runs no hook: the run ends Crashed and the next deploy takes its nodes over
-    (sparkdeploy.steps.hold_nodes).
+    another run holds (an earlier run of the same recipe may be serving there); a node it took
+    from a deployment it was replacing goes back to that one
+    (sparkdeploy.steps.hold_nodes.give_back), for the next ensure or replacing deploy to bring
+    back. A killed worker runs no hook: the run
+    ends Crashed and the next deploy takes its nodes over (sparkdeploy.steps.hold_nodes).
     """
     logger = flow_run_logger(flow_run, flow)
     parameters = {**get_parameter_defaults(flow.fn), **flow_run.parameters}
@@ -89,11 +91,16 @@ def tear_down_cancelled_run(flow: Flow[Any, Any], flow_run: FlowRun, state: Stat
         log=logger.info,
     )
     held = [node for node in ours if by_node[node] is not None]
-    released = release_nodes(plan.cluster, held, plan.deployment_id, log=logger.info)
+    given = give_back(
+        plan.cluster, held, plan.deployment_id, flow_run_id=str(flow_run.id), log=logger.info
+    )
+    released = [node for node, to in given.items() if to is None]
+    handed = [f"{node} to {to}" for node, to in given.items() if to is not None]
     removed = ", ".join(f"{c.name} on {c.node}" for c in report.removed) or "no container left"
     others = [node for node in by_node if node not in ours]
     logger.info(
         f"cancelled: tore down {plan.deployment_id} ({removed}) on nodes {', '.join(ours)},"
         f" released {', '.join(released) or 'none (none was still held by this run)'}"
+        + (f", gave back {', '.join(handed)}" if handed else "")
         + (f"; left {', '.join(others)} to the deployment holding them" if others else "")
     )

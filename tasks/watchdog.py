@@ -1,53 +1,90 @@
-"""Prefect tasks of the smoke watchdog: what runs on a cluster, and why a deployment is down."""
+"""Prefect tasks of the smoke watchdog: what runs on a cluster, and each deployment's health as
+a Prefect event (logic in sparkdeploy.steps.status, sparkdeploy.steps.watchdog and
+sparkdeploy.model.events)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
+from prefect.events import emit_event
+from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.events import Health, health_event
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.model.project import find_cluster
+from sparkdeploy.steps.hold_nodes import ended_runs, holders
 from sparkdeploy.steps.status import cluster_status
-from sparkdeploy.steps.watchdog import diagnose, node_states
+from sparkdeploy.steps.watchdog import being_deployed, diagnose, node_states
 from tasks.common import artifact_key, retry_only
 
 
 @task(name="running-deployments")
 def running_plans(cluster: str) -> list[Plan]:
-    """A plan per deployment running on the cluster whose head is up, rebuilt from its labels."""
+    """A plan per deployment of ours on the cluster, rebuilt from its labels; those a deploy is
+    busy with are left for the next round."""
     logger = get_run_logger()
     inventory = load_cluster(find_cluster(cluster))
     statuses = cluster_status(inventory)
+    by_node = holders(inventory.name, [node.name for node in inventory.nodes])
+    runs = {holder.flow_run_id for holder in by_node.values() if holder is not None}
+    live = runs - ended_runs(runs)
     plans = []
     for status in statuses:
+        busy = being_deployed(status, by_node, live)
         if status.plan is None:
             logger.warning("%s: %s", status.deployment_id, status.health)
+        elif busy is not None:
+            logger.info("%s: left alone this time: %s", status.deployment_id, busy)
         else:
             plans.append(status.plan)
     return plans
 
 
+def failure_of(future: PrefectFuture[Any]) -> str | None:
+    """The error a finished task run failed with, as text; None when it completed."""
+    if not future.state.is_failed():
+        return None
+    return str(future.state.result(raise_on_failure=False))
+
+
 @task(
-    name="diagnose",
+    name="health",
+    task_run_name="health of {plan.deployment_id}",
     retries=2,
     retry_delay_seconds=5,
     retry_condition_fn=retry_only(TransientRemoteError),
 )
-def diagnose_deployment(plan: Plan) -> None:
-    """After a failed smoke test: DeploymentDown naming the node and cause, when the containers'
-    states or the head's log show one (else the smoke test's own failure stands)."""
+def report_health(plan: Plan, cluster: str, smoke_failure: str | None) -> Health:
+    """The deployment's health as a Prefect event (sparkdeploy.model.events): healthy when its smoke
+    test passed; else the node and cause DeploymentDown names when the containers' states or
+    the head's log show one (then raised), else the smoke test's own failure."""
     logger = get_run_logger()
-    down = diagnose(plan, node_states(plan))
-    if down is None:
-        logger.info("%s: every container runs and the head's log has no fatal line", plan.recipe)
-        return
-    create_markdown_artifact(
-        key=artifact_key("down", plan.deployment_id),
-        markdown=f"```\n{down}\n```",
-        description=f"{plan.deployment_id} is down: {down.node} ({down.kind})",
-    )
-    logger.error("%s", down)
-    raise down
+    down = None
+    if smoke_failure is None:
+        health = Health.ok(plan)
+    else:
+        down = diagnose(plan, node_states(plan))
+        if down is None:
+            logger.info(
+                "%s: every container runs and the head's log has no fatal line", plan.recipe
+            )
+            health = Health(False, plan.head.node, "smoke_failed", smoke_failure)
+        else:
+            create_markdown_artifact(
+                key=artifact_key("down", plan.deployment_id),
+                markdown=f"```\n{down}\n```",
+                description=f"{plan.deployment_id} is down: {down.node} ({down.kind})",
+            )
+            logger.error("%s", down)
+            health = Health(False, down.node, down.kind, down.cause)
+    event = health_event(plan, cluster, health)
+    emit_event(**event)
+    logger.info("event %s: %s on %s: %s", event["event"], health.kind, health.node, health.cause)
+    if down is not None:
+        raise down
+    return health

@@ -4,6 +4,7 @@ that a deployment left nothing behind (no container of ours, no node held)."""
 from __future__ import annotations
 
 from pathlib import Path
+from uuid import UUID
 
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.steps.hold_nodes import holders
@@ -26,3 +27,63 @@ def recipe_variant(tmp_path: Path, name: str, source: Path, *replacements: tuple
     path.parent.mkdir(parents=True)
     path.write_text(text)
     return str(path.parent)
+
+
+def task_history(flow_run_id: str) -> list[str]:
+    """`<task run name>: <state name>` for each task run of a flow run, in start order."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(flow_run_id)]))
+        )
+    ordered = sorted(
+        runs, key=lambda run: (run.start_time or run.expected_start_time or 0, run.name)
+    )
+    return [f"{run.name}: {run.state.name if run.state else '?'}" for run in ordered]
+
+
+def flow_process(worker_pid: int, flow_run_id: str) -> int | None:
+    """The PID of the process running `flow_run_id` under a worker (its environment names the
+    run), or None while there is none."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    pending = list(children.get(worker_pid, []))
+    while pending:
+        pid = pending.pop()
+        pending += children.get(pid, [])
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if (
+            f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ
+            and b"prefect.engine" in cmdline
+        ):
+            return pid
+    return None
+
+
+def answers_the_canary(endpoint: str) -> bool:
+    """The lab's tiny-chat answers 127*43 right (with the short reasoning the lab recipes' smoke
+    tests ask for: glm45's default thinking would use up the reply)."""
+    from sparkdeploy.remote import engine_http
+
+    reply = engine_http.request(
+        "POST",
+        f"{endpoint}/v1/chat/completions",
+        timeout=30,
+        json_body={
+            "model": "tiny-chat",
+            "messages": [{"role": "user", "content": "What is 127*43?"}],
+            "chat_template_kwargs": {"reasoning_effort": "low"},
+        },
+    )
+    return reply.status == 200 and "5461" in str(reply.json()["choices"][0]["message"]["content"])

@@ -18,7 +18,7 @@ from sparkdeploy.model.recipe import Recipe
 from sparkdeploy.node.probe import detect_roce, ipv4_of_gid
 from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import plan_targets
-from sparkdeploy.steps.boot import _node_problems, boot
+from sparkdeploy.steps.boot import _judge, _node_problems, boot
 from sparkdeploy.steps.teardown import teardown
 
 GIB = 1024**3
@@ -159,6 +159,28 @@ def test_free_memory_below_what_vllm_wants_at_start_is_refused_naming_the_figure
     dropped = {**cached, "page_cache_dropped": True}
     [problem] = _node_problems(plan, node, dropped)
     assert "the page cache was dropped and it is still short" in problem
+
+
+def test_preflight_reports_free_memory_the_page_cache_and_a_skipped_gpu_check() -> None:
+    plan = _example_plan()
+    before = {"total": 119 * GIB, "free": 100 * GIB, "available": 117 * GIB, "page_cache": 17 * GIB}
+    after = {**before, "free": 116 * GIB, "page_cache": 1 * GIB}
+    answer = _answer(
+        memory=after,
+        memory_before_drop=before,
+        page_cache_dropped=True,
+        gpu_processes={"checked": False, "reason": "nvidia-smi is not installed on this node"},
+    )
+    logged: list[str] = []
+    [check] = _judge(plan, {"dgx1": answer}, log=logged.append).values()
+    assert check.free_before_drop_bytes == 100 * GIB
+    assert (
+        "116.0 GiB free of the 109.5 GiB needed, page cache 1.0 GiB (dropped: 100.0 GiB"
+        in (logged[0])
+    )
+    assert logged[1:] == [
+        "node dgx1: GPU processes not checked: nvidia-smi is not installed on this node"
+    ]
 
 
 def test_a_gpu_process_left_by_an_earlier_run_is_refused() -> None:

@@ -862,6 +862,24 @@ def test_die_after_ready_turns_health_503_then_exits(engines: Engines) -> None:
     assert engine.wait_exit() == 0  # as vLLM: status 0 after the engine died
 
 
+def test_a_fault_once_dir_makes_a_switch_strike_the_first_engine_only(
+    engines: Engines, tmp_path: Path
+) -> None:
+    env = {
+        "STANDIN_FAULT": "die_after_ready:0.3",
+        "STANDIN_DEAD_EXIT_S": "1",
+        "STANDIN_FAULT_ONCE_DIR": str(tmp_path / "once"),
+    }
+    first = engines.start(env=env)
+    first.wait_ready()
+    assert first.wait_exit() == 0
+    assert (tmp_path / "once" / "die_after_ready").exists()
+    second = engines.start(env=env)
+    second.wait_ready()
+    assert "5461" in (content_of(chat(second, "What is 127*43?")) or "")
+    assert get(second.url("/health"))[0] == 200
+
+
 def test_unknown_fault_switch_is_refused() -> None:
     with pytest.raises(FaultSpecError, match="unknown switch 'explode'"):
         Faults.parse("explode", 0)

@@ -186,7 +186,7 @@ def test_a_model_whose_context_cannot_fit_is_refused_with_figures_and_knobs(
     for expected in (
         "recipe ",
         "node n1: weights 1.0 MiB + engine overhead 2.0 GiB + KV cache 16.0 GiB",
-        "budget of 5.5 GiB (--gpu-memory-utilization 0.92 x 6 GiB (the inventory's memory_gib))",
+        "budget of 5.5 GiB (--gpu-memory-utilization 0.92 x the inventory's memory_gib 6 GiB)",
         "one request of 4,194,304 tokens needs 16.0 GiB",
         f"--max-model-len {node.kv_tokens} or lower",
         "--kv-cache-dtype fp8",
@@ -220,7 +220,7 @@ def test_a_pinned_kv_cache_is_checked_against_the_whole_node(tmp_path: Path) -> 
     assert (node.budget_bytes, node.kv_cache_bytes, node.verdict) == (6 * GIB, 3 * GIB, "fits")
     too_big = long_context_recipe(args=["--kv-cache-memory-bytes", "5G"])
     refusal = fit_report(plan_for(too_big, cluster)).refusal or ""
-    assert "against a budget of 6.0 GiB (the node's 6 GiB" in refusal
+    assert "budget of 6.0 GiB (the inventory's memory_gib 6 GiB: a pinned KV cache" in refusal
     assert "the pinned KV cache (--kv-cache-memory-bytes)" in refusal
 
 

@@ -45,7 +45,7 @@ def test_a_recipe_too_large_for_the_nodes_is_refused_before_any_node_is_touched(
     for expected in (
         f"recipe lab-long-context does not fit the memory of cluster {plan.cluster}",
         "node node1: weights 1.0 MiB + engine overhead 2.0 GiB + KV cache 16.0 GiB",
-        f"x {LAB_NODE_MEMORY_GIB:g} GiB (the inventory's memory_gib)",
+        f"x the inventory's memory_gib {LAB_NODE_MEMORY_GIB:g} GiB",
         "one request of 4,194,304 tokens needs 16.0 GiB",
         "--max-model-len",
         "--kv-cache-dtype fp8",

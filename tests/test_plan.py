@@ -6,7 +6,7 @@ import pytest
 
 from sparkdeploy.errors import PlanError
 from sparkdeploy.model.cluster import Cluster, load_cluster
-from sparkdeploy.model.plan import MASTER_PORT, Plan, make_plan
+from sparkdeploy.model.plan import MASTER_PORT, Plan, make_plan, spec_digest
 from sparkdeploy.model.recipe import Recipe, load_recipe
 from sparkdeploy.vllm.markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
 
@@ -102,6 +102,7 @@ def test_dsv41_container_mounts_labels_and_data_steps(dsv41_plan: Plan) -> None:
             "sparkdeploy.recipe": "dsv41-flash-eugr-0913-4x",
             "sparkdeploy.node": node.node,
             "sparkdeploy.rank": str(node.rank),
+            "sparkdeploy.spec": spec_digest(node),
         }
         argv = spec.docker_run_argv()
         for option in (["--network", "host"], ["--ipc", "host"], ["--gpus", "all"]):
@@ -259,3 +260,29 @@ def test_placement_errors(
         make_plan(small_recipe(tmp_path, **keys), example)
     for fragment in fragments:
         assert fragment in str(caught.value)
+
+
+def test_the_spec_label_changes_with_what_runs_not_with_how_the_node_is_reached(
+    tmp_path: Path, example: Cluster
+) -> None:
+    def spec(recipe: Recipe, cluster: Cluster = example) -> str:
+        return make_plan(recipe, cluster).nodes[0].container.labels["sparkdeploy.spec"]
+
+    for name in "abcdefg":
+        (tmp_path / name).mkdir()
+
+    base = spec(small_recipe(tmp_path / "a"))
+    assert spec(small_recipe(tmp_path / "b")) == base  # the same recipe elsewhere
+    revised = small_recipe(tmp_path / "c", model_revision=f'"{"a" * 40}"')
+    assert spec(revised) != base
+    assert spec(small_recipe(tmp_path / "d", args='["--max-model-len", "8192"]')) != base
+    moved = tmp_path / "moved.toml"
+    moved.write_text(EXAMPLE.read_text().replace("port = 22", "port = 2222"))
+    assert spec(small_recipe(tmp_path / "e"), load_cluster(moved)) == base
+    # A secret's value never reaches the label (nor its digest): a new key is the smoke
+    # test's 401 instead.
+    keyed = [
+        spec(small_recipe(tmp_path / name, args=f'["--api-key", "{key}"]'))
+        for name, key in (("f", "sk-one"), ("g", "sk-two"))
+    ]
+    assert keyed[0] == keyed[1] != base

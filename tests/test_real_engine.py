@@ -8,6 +8,7 @@ The start-up failures real vLLM has are each seen on a real boot: named, quoted,
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,6 +116,20 @@ def test_two_nodes_deploy_through_prefect_and_a_killed_worker_is_named(
     runs = load_cluster(Path(cluster)).nas.runs_dir
     kept = sorted(Path(runs, plan.deployment_id).rglob("*.log"))
     assert [log.name for log in kept if "node1" in log.name], kept
+    nothing_runs(cluster)
+
+
+def test_the_fit_check_estimates_the_kv_cache_the_real_engine_makes(cluster: str) -> None:
+    summary = deploy("real-lab-1x", cluster=cluster, skip=["smoke"])
+    teardown("real-lab-1x", cluster=cluster)
+    runs = Path(load_cluster(Path(cluster)).nas.runs_dir, summary.deployment_id)
+    head_log = max(runs.glob("node1*.log"), key=lambda path: path.stat().st_mtime).read_text()
+    logged = re.search(r"CPU KV cache size: ([\d,]+) tokens", head_log)
+    assert logged, head_log[-3000:]
+    assert summary.fit is not None
+    [node] = summary.fit.nodes
+    assert node.kv_tokens == int(logged.group(1).replace(",", ""))
+    assert node.verdict == "fits"
     nothing_runs(cluster)
 
 

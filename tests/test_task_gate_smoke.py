@@ -108,8 +108,11 @@ def test_a_good_boot_writes_its_timeline_and_passes_the_smoke_test(
     assert "kv_cache_tokens=" in by_marker["kv_cache_size"]["figures"]
     assert float(by_marker["endpoint_ready"]["seconds"]) == result.ready_after_s
     smoke_rows = artifact_rows(artifact_key("smoke", plan.deployment_id))
-    assert [row["check"] for row in smoke_rows] == [check.name for check in report.checks]
-    assert {row["result"] for row in smoke_rows} == {"pass"}
+    check_rows = [row for row in smoke_rows if row["result"] != "info"]
+    assert [row["check"] for row in check_rows] == [check.name for check in report.checks]
+    assert {row["result"] for row in check_rows} == {"pass"}
+    engine_rows = [row["check"] for row in smoke_rows if row["result"] == "info"]
+    assert "engine /metrics: prompt_tokens" in engine_rows
 
 
 def test_a_failed_boot_still_has_its_timeline_and_is_not_retried(

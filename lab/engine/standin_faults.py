@@ -2,13 +2,17 @@
 
 STANDIN_FAULT is a comma-separated list of `name[:value][@rank[+rank...]]`; `@ranks` limits a
 switch to those node ranks (e.g. `crash@2` crashes node rank 2 only). lab/engine/README.md lists
-the switches.
+the switches. With STANDIN_FAULT_ONCE_DIR, a directory that outlives the container (a mount of
+the node's), each switch strikes only the first engine started with that directory: a transient
+fault, which a redeploy cures.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 try:
     from lab.engine.standin_net import engine_timeout_line
@@ -75,6 +79,19 @@ class Faults:
                 continue
             active[name] = value
         return cls(active)
+
+    def first_time_only(self, directory: Path) -> Faults:
+        """The switches that have not struck an engine started with `directory` yet; each is
+        marked there (created atomically, so two engines never both take one)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        fresh = {}
+        for name, value in self.active.items():
+            try:
+                os.close(os.open(directory / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue
+            fresh[name] = value
+        return Faults(fresh)
 
     def has(self, name: str) -> bool:
         return name in self.active

@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping
+from pathlib import Path
 from types import FrameType
 
 try:
@@ -85,6 +86,8 @@ class StandinEngine:
             env.get("VLLM_ENGINE_READY_TIMEOUT_S", DEFAULT_ENGINE_READY_TIMEOUT_S)
         )
         self.faults = Faults.parse(env.get("STANDIN_FAULT", ""), self.node_rank)
+        if env.get("STANDIN_FAULT_ONCE_DIR"):
+            self.faults = self.faults.first_time_only(Path(env["STANDIN_FAULT_ONCE_DIR"]))
         self.head: HeadRendezvous | None = None
         self.worker: WorkerRendezvous | None = None
         self.server: StandinServer | None = None

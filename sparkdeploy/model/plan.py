@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import json
 import posixpath
 from collections.abc import Sequence
 from typing import Literal
@@ -40,6 +41,9 @@ GIB = 1 << 30
 MASTER_PORT = 29501  # vLLM's mp backend: workers reach the head's store here
 RAY_PORT = 6379
 LABEL_PREFIX = "sparkdeploy."
+# The digest of what a node runs (spec_digest): a running copy started from another version of
+# the recipe or inventory is told apart from one started from this plan.
+SPEC_LABEL = f"{LABEL_PREFIX}spec"
 
 
 class _Data(BaseModel):
@@ -195,6 +199,22 @@ def deployment_id(recipe_id: str, node_names: Sequence[str]) -> str:
     """Readable and stable: the recipe plus a hash of recipe and nodes, in rank order."""
     digest = hashlib.sha256("\0".join([recipe_id, *node_names]).encode()).hexdigest()
     return f"{recipe_id[:40]}-{digest[:8]}"
+
+
+def spec_digest(node: NodePlan) -> str:
+    """What the node runs, as a digest: its container (image reference, argv, env, mounts, run
+    options), the Ray serve argv, its Engram copies and composed sources with their revisions.
+    How the node is reached (ssh) and the labels are left out; secret values are masked (a
+    changed API key shows as the smoke test's 401 instead)."""
+    data = node.model_dump(mode="json", exclude={"ssh": True, "container": {"labels"}})
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _with_spec_label(node: NodePlan) -> NodePlan:
+    labels = {**node.container.labels, SPEC_LABEL: spec_digest(node)}
+    return node.model_copy(
+        update={"container": node.container.model_copy(update={"labels": labels})}
+    )
 
 
 def _check_placement(recipe: Recipe, cluster: Cluster, nodes: list[Node]) -> int:
@@ -450,5 +470,5 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
         drop_page_cache=cluster.docker.drop_page_cache,
         blocked=recipe.blocked_reason,
         memory=_engine_memory(recipe),
-        nodes=node_plans,
+        nodes=[_with_spec_label(node) for node in node_plans],
     )

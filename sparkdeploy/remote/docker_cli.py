@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol, TypeVar
@@ -86,6 +86,7 @@ class ContainerInfo:
     status: str  # created, running, exited, ...
     exit_code: int
     started_at: str
+    image_id: str = ""  # the image it was created from (sha256:...), whatever its tag says now
 
 
 def on_nodes(targets: Mapping[str, SshTarget], work: Callable[[Runner, str], T]) -> dict[str, T]:
@@ -208,30 +209,36 @@ def _container_info(entry: dict[str, Any]) -> ContainerInfo:
         status=state.get("Status", "unknown"),
         exit_code=int(state.get("ExitCode", 0)),
         started_at=state.get("StartedAt", ""),
+        image_id=entry.get("Image", ""),
     )
 
 
 def deployments_present(
-    targets: Mapping[str, SshTarget], deployment_of: Mapping[str, str]
+    targets: Mapping[str, SshTarget], deployments_of: Mapping[str, Collection[str]]
 ) -> dict[str, bool | None]:
-    """Whether each node of deployment_of has a container (running or not) of its deployment
-    id, one `docker ps` per node, all nodes at once; None for every node when one of them
-    could not be asked (a node down or rebooting proves nothing)."""
+    """Whether each node of deployments_of has a container (running or not) of any of its
+    deployment ids, one `docker ps` per node, all nodes at once; None for every node when one
+    of them could not be asked (a node down or rebooting proves nothing)."""
 
     def on_node(runner: Runner, node: str) -> bool:
-        label = f"{DEPLOYMENT_LABEL}={deployment_of[node]}"
         listed = checked(
             node,
-            docker(runner, ["ps", "-a", "-q", "--filter", f"label={label}"]),
-            f"listing containers labelled {label}",
+            docker(
+                runner,
+                [
+                    *("ps", "-a", "--filter", f"label={DEPLOYMENT_LABEL}"),
+                    *("--format", f'{{{{.Label "{DEPLOYMENT_LABEL}"}}}}'),
+                ],
+            ),
+            f"listing containers labelled {DEPLOYMENT_LABEL}",
             "check docker on the node",
         )
-        return bool(listed.stdout.split())
+        return not set(deployments_of[node]).isdisjoint(listed.stdout.decode().split())
 
     try:
-        return dict(on_nodes({node: targets[node] for node in deployment_of}, on_node))
+        return dict(on_nodes({node: targets[node] for node in deployments_of}, on_node))
     except RemoteError:
-        return dict.fromkeys(deployment_of)
+        return dict.fromkeys(deployments_of)
 
 
 def container_log(runner: Runner, node: str, container_id: str, *, timeout: float) -> str:

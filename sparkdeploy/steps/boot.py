@@ -81,6 +81,7 @@ class NodeCheck:
     detected_env: dict[str, str]  # NCCL_IB_HCA / NCCL_IB_GID_INDEX resolved from "auto"
     notes: list[str] = field(default_factory=list)
     page_cache_dropped: bool = False
+    free_before_drop_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -152,11 +153,9 @@ def _memory_problems(plan: Plan, node: NodePlan, answer: dict[str, Any]) -> list
     free = free_memory(node, answer)
     if free >= required:
         return problems
-    counted = (
-        "MemFree: the GPU counts the page cache as used"
-        if node.memory.unified
-        else ("MemAvailable")
-    )
+    counted = "MemAvailable"
+    if node.memory.unified:
+        counted = "MemFree: the GPU counts the page cache as used"
     if answer["page_cache_dropped"]:
         fix = "the page cache was dropped and it is still short: stop what holds the memory"
     elif node.memory.unified and memory["page_cache"]:
@@ -259,6 +258,11 @@ def _judge(plan: Plan, answers: Mapping[str, dict[str, Any]], *, log: Log) -> di
             detected_env=_detected_env(node, answer.get("rdma"), notes),
             notes=notes,
             page_cache_dropped=answer["page_cache_dropped"],
+            free_before_drop_bytes=(
+                free_memory(node, {"memory": answer["memory_before_drop"]})
+                if answer["page_cache_dropped"]
+                else None
+            ),
         )
     image_ids = {check.image_id for check in checks.values()}
     if not problems and len(image_ids) > 1:
@@ -278,7 +282,11 @@ def _judge(plan: Plan, answers: Mapping[str, dict[str, Any]], *, log: Log) -> di
             f" {node_check.free_bytes / GIB:.1f} GiB free of the"
             f" {node_check.required_free_bytes / GIB:.1f} GiB needed, page cache"
             f" {node_check.page_cache_bytes / GIB:.1f} GiB"
-            + (" (dropped)" if node_check.page_cache_dropped else "")
+            + (
+                f" (dropped: {node_check.free_before_drop_bytes / GIB:.1f} GiB were free)"
+                if node_check.free_before_drop_bytes is not None
+                else ""
+            )
             + (f", {node_check.gpus} GPUs" if node_check.gpus is not None else "")
             + f"; detected {detected}"
         )

@@ -263,9 +263,9 @@ def _node_fit(
 def _budget_text(plan: Plan, fit: NodeFit) -> str:
     flags = plan.memory.flags
     node = next(node for node in plan.nodes if node.node == fit.node)
-    memory = f"{node.memory.total_bytes / (1 << 30):g} GiB (the inventory's memory_gib)"
+    memory = f"the inventory's memory_gib {node.memory.total_bytes / (1 << 30):g} GiB"
     if flags.kv_cache_memory_bytes is not None:
-        return f"the node's {memory}"
+        return f"{memory}: a pinned KV cache ignores the utilization"
     return f"--gpu-memory-utilization {flags.gpu_memory_utilization:g} x {memory}"
 
 

@@ -26,6 +26,16 @@ frees a node under a running engine; and Prefect keeps leases in the server's me
 slots. Whether a holder is gone is proven instead, from the flow run's state and the node's
 containers. The takeover mutex is leased (Prefect's minimum, 60 s): it is held for two requests,
 and a deploy killed while holding it must not block takeovers of that node for good.
+
+Replacing. A deploy with `replace` names the deployments it replaces (`replacing`: holder's
+deployment id -> the deployment to bring back if the new one fails); their nodes are taken over
+once their own flow runs have ended, containers and all, and the new record says which
+deployment it replaced (`replaces`) until the replacement is committed (commit_replacement) or
+given back (give_back). A record that still says `replaces` after its flow run has ended is a
+replacement that never finished (its process was killed: no rollback hook ran). It is judged by
+both deployments' containers: a deploy without `replace` waits while either is on the node, and
+a deploy with `replace` takes it over and inherits the deployment to bring back, so a failure
+of the next attempt still rolls back to what served before the killed one.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Literal, ParamSpec, TypeVar
 from uuid import UUID
@@ -79,6 +89,36 @@ P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
+class Replaced:
+    """A deployment a replacement took nodes from: enough to plan it again and hand them back."""
+
+    deployment_id: str
+    recipe: str  # a recipe name under recipes/
+    nodes: tuple[str, ...]  # in rank order
+    since: str  # when it first held its nodes, ISO 8601, UTC
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "deployment_id": self.deployment_id,
+            "recipe": self.recipe,
+            "nodes": list(self.nodes),
+            "since": self.since,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> Replaced | None:
+        if not isinstance(value, dict):
+            return None
+        nodes = value.get("nodes")
+        return cls(
+            deployment_id=str(value.get("deployment_id")),
+            recipe=str(value.get("recipe")),
+            nodes=tuple(str(node) for node in nodes) if isinstance(nodes, list) else (),
+            since=str(value.get("since")),
+        )
+
+
+@dataclass(frozen=True)
 class NodeHolder:
     """Who holds a machine, and by which name: `cluster` and `node` are the inventory and node
     name the holder took it by (another inventory may name the machine otherwise)."""
@@ -89,6 +129,8 @@ class NodeHolder:
     flow_run_id: str | None
     cluster: str
     machine_id: str
+    # The deployment this one replaced and would hand the node back to, until committed.
+    replaces: Replaced | None = None
 
     def taken_as(self, cluster: str, node: str) -> str:
         """How a message names the holder's own name for the machine, when it is another."""
@@ -100,9 +142,9 @@ class NodeHolder:
 # What to do about a node's holder: it is this flow run ("ours"), provably gone ("take over"),
 # or to be waited for.
 Decision = Literal["ours", "take over", "wait"]
-# node -> the holder's deployment id, to whether any container of it is on that node (None: the
-# node could not be asked). sparkdeploy.remote.docker_cli.deployments_present, over SSH.
-ContainerCheck = Callable[[dict[str, str]], dict[str, bool | None]]
+# node -> deployment ids, to whether any container of them is on that node (None: the node could
+# not be asked). sparkdeploy.remote.docker_cli.deployments_present, over SSH.
+ContainerCheck = Callable[[dict[str, list[str]]], dict[str, bool | None]]
 
 
 def machine_label(machine_id: str) -> str:
@@ -253,6 +295,7 @@ def _holder_of(variable: Variable) -> NodeHolder | None:
         flow_run_id=value.get("flow_run_id"),
         cluster=str(value.get("cluster")),
         machine_id=value["machine_id"],
+        replaces=Replaced.from_json(value.get("replaces")),
     )
 
 
@@ -298,6 +341,7 @@ def _write_holder(client: SyncPrefectClient, holder: NodeHolder) -> None:
         "cluster": holder.cluster,
         "node": holder.node,
         "machine_id": holder.machine_id,
+        "replaces": holder.replaces.as_json() if holder.replaces else None,
     }
     try:
         _api(client.create_variable, VariableCreate(name=name, value=value, tags=HOLDER_TAGS))
@@ -324,6 +368,12 @@ def holders(cluster: str, nodes: Sequence[str]) -> dict[str, NodeHolder | None]:
             if known is None or holder.since > known.since:
                 found[holder.node] = holder
     return found
+
+
+def ended_runs(run_ids: AbstractSet[str | None]) -> set[str | None]:
+    """Those of the flow runs that are not running: final, gone, or None (no run)."""
+    with _lock_client() as client:
+        return _ended_runs(client, run_ids)
 
 
 def _describe_blockers(
@@ -366,23 +416,31 @@ def holder_decision(
     *,
     run_ended: bool,
     containers_left: bool | None,
+    replacing: bool = False,
 ) -> Decision:
     """What a deploy of `deployment_id` in flow run `flow_run_id` does about a node's holder.
 
     `run_ended`: the holder's flow run is final or gone (a holder recorded outside any flow run
     counts as ended: no run of it can still be going). `containers_left`: whether the holder's
-    deployment has a container on the node (None: the node could not be asked; only consulted
-    for another deployment). A holder is taken over only when provably gone: its run has ended
-    and, for another deployment, it has nothing left on the node. A run of the same deployment
-    that is still going (a concurrent deploy) is waited for like any live holder.
+    deployment (and, for an unfinished replacement, the deployment it replaced) has a container
+    on the node (None: the node could not be asked; only consulted for another deployment).
+    `replacing`: the deploy replaces the holder's deployment. A holder is taken over only when
+    its run has ended and it is replaced, is this deployment, or has nothing left on the node. A
+    run that is still going (a concurrent deploy, of this deployment or another) is waited for.
     """
     if holder.deployment_id == deployment_id and holder.flow_run_id == flow_run_id:
         return "ours"
     if not run_ended:
         return "wait"
-    if holder.deployment_id == deployment_id:
-        return "take over"  # a redeploy: boot replaces the stale copy of this deployment
+    if replacing or holder.deployment_id == deployment_id:
+        return "take over"  # boot replaces what is left of it
     return "take over" if containers_left is False else "wait"
+
+
+def unfinished_replacement(holder: NodeHolder, run_ended: bool) -> Replaced | None:
+    """The deployment a holder was replacing when its flow run ended without committing or
+    giving the node back (its process was killed), else None."""
+    return holder.replaces if run_ended else None
 
 
 def _ended_runs(client: SyncPrefectClient, run_ids: AbstractSet[str | None]) -> set[str | None]:
@@ -409,6 +467,7 @@ def _decide(
     deployment_id: str,
     flow_run_id: str | None,
     containers_on: ContainerCheck | None,
+    replacing: Mapping[str, Replaced],
 ) -> tuple[dict[str, Decision], dict[str, str]]:
     """A decision for every held node, and why each node to wait for is waited for."""
     held = {node: holder for node, holder in current.items() if holder is not None}
@@ -420,37 +479,52 @@ def _decide(
     ended = (
         _ended_runs(client, {holder.flow_run_id for holder in others.values()}) if others else set()
     )
-    # Only another deployment whose run has ended is worth the SSH round trip.
-    to_ask = {
-        node: holder.deployment_id
-        for node, holder in others.items()
-        if holder.flow_run_id in ended and holder.deployment_id != deployment_id
-    }
+    # Only another deployment whose run has ended is worth the SSH round trip; an unfinished
+    # replacement is judged by the containers of both deployments.
+    to_ask: dict[str, list[str]] = {}
+    for node, holder in others.items():
+        if holder.flow_run_id not in ended or holder.deployment_id in replacing:
+            continue
+        unfinished = unfinished_replacement(holder, run_ended=True)
+        ids = {holder.deployment_id, *([unfinished.deployment_id] if unfinished else [])}
+        ids.discard(deployment_id)
+        if ids:
+            to_ask[node] = sorted(ids)
     left: dict[str, bool | None] = dict.fromkeys(to_ask)
     if to_ask and containers_on is not None:
         left.update(containers_on(to_ask))
     decisions: dict[str, Decision] = {}
     why: dict[str, str] = {}
     for node, holder in held.items():
+        run_ended = holder.flow_run_id in ended
         decisions[node] = holder_decision(
             holder,
             deployment_id,
             flow_run_id,
-            run_ended=holder.flow_run_id in ended,
-            containers_left=left.get(node),
+            run_ended=run_ended,
+            containers_left=left.get(node, False),
+            replacing=holder.deployment_id in replacing,
         )
         if decisions[node] != "wait":
             continue
-        if holder.flow_run_id not in ended:
+        unfinished = unfinished_replacement(holder, run_ended)
+        if not run_ended:
             why[node] = "its flow run is still going"
         elif left.get(node) is None:
             why[node] = (
                 f"its flow run has ended; whether its containers are gone from {node} is unknown"
             )
+        elif unfinished is not None:
+            why[node] = (
+                f"its flow run ended while it was replacing deployment"
+                f" {unfinished.deployment_id} ({unfinished.recipe}), and containers of one of"
+                f" them are still on {node}: deploy with replace=true (a failure then brings"
+                f" {unfinished.deployment_id} back) or tear them down"
+            )
         else:
             why[node] = (
                 f"its flow run has ended but its containers are still on {node}: tear that"
-                " deployment down"
+                " deployment down, or deploy with replace=true"
             )
     return decisions, why
 
@@ -461,6 +535,7 @@ def _take_over(
     stale: dict[str, NodeHolder],
     deployment_id: str,
     flow_run_id: str | None,
+    replacing: Mapping[str, Replaced],
     *,
     log: Callable[[str], None],
     warn: Callable[[str], None],
@@ -481,6 +556,7 @@ def _take_over(
             if now[node] != holder:
                 continue
             same = holder.deployment_id == deployment_id
+            replaced = replacing.get(holder.deployment_id)
             _write_holder(
                 client,
                 NodeHolder(
@@ -490,11 +566,23 @@ def _take_over(
                     flow_run_id,
                     cluster,
                     holder.machine_id,
+                    replaced,
                 ),
             )
             taken.append(node)
             run = f"flow run {holder.flow_run_id}" if holder.flow_run_id else "no flow run"
-            if same:
+            if replaced is not None:
+                brought_back = (
+                    f"; {replaced.deployment_id} comes back if this deployment fails"
+                    if replaced.deployment_id != deployment_id
+                    else ""
+                )
+                warn(
+                    f"node {node} of cluster {cluster}: replacing deployment"
+                    f" {holder.deployment_id}{holder.taken_as(cluster, node)} (holder since"
+                    f" {holder.since}, {run} has ended){brought_back}"
+                )
+            elif same:
                 log(f"node {node}: deployment {deployment_id} goes on holding it ({run} has ended)")
             else:
                 warn(
@@ -516,6 +604,7 @@ def acquire_nodes(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     poll_s: float = POLL_S,
     containers_on: ContainerCheck | None = None,
+    replacing: Mapping[str, Replaced] | None = None,
     log: Callable[[str], None] = _LOG.info,
     warn: Callable[[str], None] = _LOG.warning,
 ) -> list[str]:
@@ -527,10 +616,12 @@ def acquire_nodes(
     are kept (and recorded as held by this flow run), unless another flow run of it is still
     going. A holder provably gone is
     taken over with a warning naming it (module docstring); without `containers_on` another
-    deployment's holder is never proven gone. Returns the nodes newly taken (those taken over
-    from another deployment included). Raises NodeLockError naming the holders when the wait
-    runs out.
+    deployment's holder is never proven gone. A holder whose deployment is in `replacing` is
+    taken over once its flow run has ended, recording the Replaced it maps to. Returns the
+    nodes newly taken (those taken over from another deployment or for a replacement
+    included). Raises NodeLockError naming the holders when the wait runs out.
     """
+    replacing = replacing or {}
     deadline = time.monotonic() + timeout_s
     waited_for: str | None = None
     flow_run_id = _current_flow_run_id()
@@ -539,7 +630,9 @@ def acquire_nodes(
     with _lock_client() as client:
         while True:
             current = _read_holders(client, machines)
-            decisions, why = _decide(client, current, deployment_id, flow_run_id, containers_on)
+            decisions, why = _decide(
+                client, current, deployment_id, flow_run_id, containers_on, replacing
+            )
             stale = {
                 node: holder
                 for node, holder in current.items()
@@ -547,9 +640,23 @@ def acquire_nodes(
             }
             if stale:
                 done = _take_over(
-                    client, cluster, stale, deployment_id, flow_run_id, log=log, warn=warn
+                    client,
+                    cluster,
+                    stale,
+                    deployment_id,
+                    flow_run_id,
+                    replacing,
+                    log=log,
+                    warn=warn,
                 )
-                taken_over += [node for node in done if stale[node].deployment_id != deployment_id]
+                # Newly this run's, to give back on failure: those of other deployments, and
+                # those of this one that a replacement would hand back.
+                taken_over += [
+                    node
+                    for node in done
+                    if stale[node].deployment_id != deployment_id
+                    or stale[node].deployment_id in replacing
+                ]
                 if done:
                     continue  # they are this run's now: decide again from the new records
                 why.update(dict.fromkeys(stale, "another deploy is taking it over right now"))
@@ -587,6 +694,81 @@ def acquire_nodes(
 
 def _of(machines: Mapping[str, str], nodes: Sequence[str]) -> dict[str, str]:
     return {node: machines[node] for node in nodes}
+
+
+def give_back(
+    cluster: str,
+    nodes: Sequence[str],
+    deployment_id: str,
+    *,
+    flow_run_id: str | None = None,
+    log: Callable[[str], None] = _LOG.info,
+) -> dict[str, str | None]:
+    """Undo a deploy's hold: each of the nodes (as the cluster names them) `deployment_id` holds
+    in flow run `flow_run_id` (default: the current one) goes back to the deployment its record
+    says it replaced, held by that flow run, or is released. Returns node -> the deployment now
+    holding it (None: released). Idempotent."""
+    run_id = flow_run_id or _current_flow_run_id()
+    given: dict[str, str | None] = {}
+    wanted = set(nodes)
+    with _lock_client() as client:
+        for holder in _recorded_holders(client):
+            if (
+                holder.cluster != cluster
+                or holder.node not in wanted
+                or (holder.deployment_id, holder.flow_run_id) != (deployment_id, run_id)
+            ):
+                continue
+            back = holder.replaces
+            if back is None or back.deployment_id == deployment_id:
+                given[holder.node] = None
+                continue
+            _write_holder(
+                client,
+                NodeHolder(
+                    holder.node, back.deployment_id, back.since, run_id, cluster, holder.machine_id
+                ),
+            )
+            given[holder.node] = back.deployment_id
+    released = [node for node, to in given.items() if to is None]
+    if released:
+        release_nodes(cluster, released, deployment_id, log=log)
+    for node, to in given.items():
+        if to is not None:
+            log(f"node {node}: deployment {deployment_id} gave it back to deployment {to}")
+    return given
+
+
+def commit_replacement(
+    cluster: str,
+    nodes: Sequence[str],
+    deployment_id: str,
+    replaced: Sequence[Replaced],
+    *,
+    log: Callable[[str], None] = _LOG.info,
+) -> list[str]:
+    """A replacement that succeeded: its records on the nodes no longer name what they replaced,
+    and the replaced deployments let go of the nodes they still hold. Returns the nodes let
+    go."""
+    wanted = set(nodes)
+    with _lock_client() as client:
+        for holder in _recorded_holders(client):
+            if (
+                holder.cluster == cluster
+                and holder.node in wanted
+                and holder.deployment_id == deployment_id
+                and holder.replaces is not None
+            ):
+                _write_holder(client, replace(holder, replaces=None))
+    let_go = []
+    for old in replaced:
+        let_go += release_nodes(cluster, old.nodes, old.deployment_id, log=log)
+    if replaced:
+        log(
+            f"deployment {deployment_id} replaced "
+            + ", ".join(old.deployment_id for old in replaced)
+        )
+    return let_go
 
 
 def release_nodes(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import datetime
 
 from sparkdeploy.errors import SparkDeployError
 from sparkdeploy.model.cluster import Cluster
@@ -26,7 +27,9 @@ from sparkdeploy.model.project import find_recipe_by_name
 from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.remote.docker_cli import ContainerInfo, list_containers, on_nodes
 from sparkdeploy.remote.targets import cluster_targets
+from sparkdeploy.report.history import NONE_YET, History
 from sparkdeploy.steps.readiness_gate import probe_endpoint
+from sparkdeploy.units import human_duration
 
 HEALTH_TIMEOUT_S = 3.0
 
@@ -62,7 +65,20 @@ class DeploymentStatus:
     def since(self) -> str:
         return min((c.started_at for c in self.containers), default="")
 
-    def rows(self) -> list[dict[str, str]]:
+    def uptime(self, now: datetime) -> str:
+        """How long its oldest container has run (docker's StartedAt), or why it does not run."""
+        stopped = [c for c in self.containers if c.status != "running"]
+        if stopped:
+            return ", ".join(f"{c.node} {c.status} ({c.exit_code})" for c in stopped)
+        try:
+            started = datetime.fromisoformat(self.since)
+        except ValueError:
+            return "unknown"
+        return human_duration((now - started).total_seconds())
+
+    def rows(self, now: datetime, history: History | None = None) -> list[dict[str, str]]:
+        """One row per container; the deployment's own columns (health, uptime, last smoke
+        test, last event) on its head's row."""
         return [
             {
                 "deployment": self.deployment_id,
@@ -73,9 +89,24 @@ class DeploymentStatus:
                 "state": c.status if c.status == "running" else f"{c.status} ({c.exit_code})",
                 "since": c.started_at,
                 "health": self.health if c.rank == 0 else "",
+                "uptime": self.uptime(now) if c.rank == 0 else "",
+                "last smoke test": (history.last_smoke if history else NONE_YET)
+                if c.rank == 0
+                else "",
+                "last event": (history.last_event if history else NONE_YET) if c.rank == 0 else "",
             }
             for c in self.containers
         ]
+
+    def line(self, now: datetime, history: History | None = None) -> str:
+        """The deployment in one line, for the CLI."""
+        nodes = ",".join(self.nodes)
+        state = "healthy" if self.healthy else f"NOT healthy ({self.health})"
+        return (
+            f"{self.deployment_id} ({self.recipe}) on {nodes}: {state}; up {self.uptime(now)};"
+            f" last smoke test: {history.last_smoke if history else NONE_YET};"
+            f" last event: {history.last_event if history else NONE_YET}"
+        )
 
 
 def _not_ours(node: str, container: ContainerInfo, problems: list[str]) -> DeploymentStatus:

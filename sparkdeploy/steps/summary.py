@@ -55,6 +55,8 @@ class DeploySummary(BaseModel):
     # The figures the head's log gave (vllm_markers' named groups: weights_load_s,
     # model_load_gib, kv_cache_gib, kv_cache_tokens, max_concurrency, init_engine_s, ...).
     head_figures: dict[str, float] = {}
+    # What the deploy found instead of deploying (ensure: the deployment already served).
+    note: str = ""
 
     @classmethod
     def of(
@@ -65,6 +67,7 @@ class DeploySummary(BaseModel):
         ready_after_s: float | None,
         timeline: Sequence[TimelineEntry] = (),
         head_figures: dict[str, float] | None = None,
+        note: str = "",
     ) -> DeploySummary:
         head = plan.head.node
         return cls(
@@ -90,6 +93,7 @@ class DeploySummary(BaseModel):
             },
             fit=plan.fit,
             head_figures=dict(head_figures or {}),
+            note=note,
         )
 
     def markdown(self) -> str:
@@ -98,6 +102,7 @@ class DeploySummary(BaseModel):
             "",
             f"Endpoint **{self.endpoint}**, served model `{self.served_model_name}`, "
             f"deployment `{self.deployment_id}`.",
+            *(["", self.note] if self.note else []),
             "",
             "| node | rank | role | container | host |",
             "|---|---|---|---|---|",

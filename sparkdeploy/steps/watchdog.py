@@ -10,6 +10,8 @@ that exited, with any status, before a teardown is a failure, never a clean stop
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from sparkdeploy.errors import DeploymentDown
@@ -23,7 +25,9 @@ from sparkdeploy.remote.docker_cli import (
     on_nodes,
 )
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.steps.hold_nodes import NodeHolder
 from sparkdeploy.steps.readiness_gate import classify_log, strip_log_prefix
+from sparkdeploy.steps.status import DeploymentStatus
 from sparkdeploy.vllm.markers import FAILURE_HINTS
 
 LOG_TIMEOUT_S = 60.0
@@ -108,3 +112,21 @@ def diagnose(plan: Plan, states: dict[str, NodeState]) -> DeploymentDown | None:
         f"log of the head {head}:\n{quoted}\nfix: {hint}"
     )
     return DeploymentDown(message, node=node, kind=kind, cause=cause, excerpt=list(excerpt))
+
+
+def being_deployed(
+    status: DeploymentStatus,
+    holders: Mapping[str, NodeHolder | None],
+    live_runs: AbstractSet[str | None],
+) -> str | None:
+    """Why the watchdog leaves a deployment alone this time: a deploy (a repair, a replacement,
+    a scheduled ensure) whose flow run is still going holds one of its nodes, and judging it
+    mid-boot would raise a false alarm (and a second repair). None: it is the watchdog's."""
+    for node in status.nodes:
+        holder = holders.get(node)
+        if holder is not None and holder.flow_run_id in live_runs:
+            return (
+                f"{node} is held by flow run {holder.flow_run_id} (deploying"
+                f" {holder.deployment_id}), still going"
+            )
+    return None

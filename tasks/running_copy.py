@@ -1,0 +1,44 @@
+"""Prefect task: whether the plan's deployment already runs as planned and answers (logic in
+sparkdeploy.steps.running_copy)."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.logging import get_run_logger
+
+from sparkdeploy.errors import TransientRemoteError
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.model.project import find_image_dir
+from sparkdeploy.steps.image import build_context
+from sparkdeploy.steps.readiness_gate import probe_endpoint
+from sparkdeploy.steps.running_copy import RunningCopy, judge_running_copy, node_facts
+from sparkdeploy.steps.status import HEALTH_TIMEOUT_S
+from tasks.common import retry_only
+
+
+@task(
+    name="running-copy",
+    task_run_name="running copy of {plan.deployment_id}",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_only(TransientRemoteError),
+)
+def check_running_copy(plan: Plan) -> RunningCopy:
+    """absent, different (recipe, revisions or image changed), unhealthy, or serving as planned."""
+    facts = node_facts(plan)
+    context = (
+        build_context(find_image_dir(plan.docker_image_dir)).digest
+        if plan.docker_image_dir
+        else None
+    )
+    found = any(node.containers for node in facts.values())
+    outcome = (
+        probe_endpoint(
+            plan.endpoint, plan.served_model_name, timeout=HEALTH_TIMEOUT_S, api_key=plan.api_key
+        )
+        if found
+        else None
+    )
+    copy = judge_running_copy(plan, facts, context_digest=context, probe_outcome=outcome)
+    get_run_logger().info("%s: %s (%s)", plan.deployment_id, copy.state, copy.reason)
+    return copy
