@@ -31,7 +31,12 @@ from sparkdeploy.steps.compare import (
     smoke_failure,
 )
 from tasks.benchmark import benchmark_deployment
-from tasks.compare import outcome_of, prepare_comparison, publish_comparison, state_failure
+from tasks.compare import (
+    outcome_of_run,
+    prepare_comparison,
+    publish_comparison,
+    state_failure,
+)
 from tasks.plan import plan_deployment
 from tasks.smoke_test import smoke_test
 from tasks.teardown import teardown_deployment
@@ -102,21 +107,30 @@ def compare(
         description="The smallest relative difference of a benchmark figure that counts as "
         "better or worse, whatever the spread of the repeats (0.1: 10 %).",
     ),
+    latency_floor_ms: float = Field(
+        default=NoiseRule().latency_floor_s * 1000,
+        ge=0,
+        description="The smallest latency difference (ms) that counts: the hosts' timer and "
+        "scheduling jitter (the lab's shared cores: about 10).",
+    ),
     lock_timeout_s: float = Field(
         default=600.0, description="How long a side waits for its nodes if another holds them."
     ),
 ) -> Comparison:
     prepared = prepare_comparison(side_a, side_b, cluster, placement)
 
-    def run(side: PreparedSide) -> State[SideOutcome]:
-        return compare_side(
+    def run(side: PreparedSide) -> SideOutcome:
+        return outcome_of_run(
             side.label,
-            side.recipe,
-            cluster,
-            side.nodes,
-            settings,
-            lock_timeout_s,
-            return_state=True,
+            lambda: compare_side(
+                side.label,
+                side.recipe,
+                cluster,
+                side.nodes,
+                settings,
+                lock_timeout_s,
+                return_state=True,
+            ),
         )
 
     if prepared.at_once:
@@ -124,13 +138,11 @@ def compare(
             futures = [
                 pool.submit(contextvars.copy_context().run, run, side) for side in prepared.sides
             ]
-            states = [future.result() for future in futures]
+            a, b = (future.result() for future in futures)
     else:
-        states = [run(side) for side in prepared.sides]
-    a, b = (
-        outcome_of(side.label, state) for side, state in zip(prepared.sides, states, strict=True)
-    )
-    comparison = publish_comparison(prepared, a, b, NoiseRule(relative=noise_floor))
+        a, b = (run(side) for side in prepared.sides)
+    noise = NoiseRule(relative=noise_floor, latency_floor_s=latency_floor_ms / 1000)
+    comparison = publish_comparison(prepared, a, b, noise)
     if comparison.failed:
         raise CompareError(
             "; ".join(f"side {side.label} {side.state_text()}" for side in comparison.failed)

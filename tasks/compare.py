@@ -4,6 +4,7 @@ side-by-side artifact at the end (logic in sparkdeploy.steps.compare)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from prefect import task
@@ -62,8 +63,13 @@ def state_failure(state: State[Any]) -> str:
     return f"the run ended {state.type.value.lower()}: {state.message or 'no message'}"
 
 
-def outcome_of(label: str, state: State[SideOutcome]) -> SideOutcome:
-    """A side's outcome from its flow run's final state, with the run's id."""
+def outcome_of_run(label: str, run: Callable[[], State[SideOutcome]]) -> SideOutcome:
+    """A side's outcome from its flow run's final state, with the run's id; a run that could
+    not even start (the Prefect API refusing it) is a failed side with that cause."""
+    try:
+        state = run()
+    except Exception as error:
+        return SideOutcome(label, failed_at="side", cause=failure_cause(error))
     run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
     if state.is_completed():
         outcome: SideOutcome = state.result()

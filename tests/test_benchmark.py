@@ -69,7 +69,10 @@ def test_each_level_has_every_figure_with_its_spread(result: BenchmarkResult) ->
         assert figures["errors"].value == 0
         assert figures["ttft_p50_s"].value <= figures["ttft_p90_s"].value
         assert figures["ttft_p90_s"].value <= figures["ttft_p99_s"].value
-        assert figures["itl_p50_s"].value >= 0.002  # the stand-in's delay per chunk
+        # The stand-in waits 2 ms before each token after the first: a request lasts at least
+        # that long however its chunks bunch up on a busy client (which shrinks the gaps, ITL).
+        assert figures["e2e_p50_s"].value >= 0.002 * (SETTINGS.output_tokens - 1)
+        assert figures["itl_p90_s"].value > 0
         assert figures["output_tok_s"].value > 0 and figures["requests_s"].value > 0
         assert figures["engine_generation_tokens"].value == 12 * 6
         assert figures["client_cpu_ms_per_request"].value > 0

@@ -89,6 +89,8 @@ def cluster(lab_cluster: Lab, lab_engine_image: str) -> Iterator[str]:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
     """`prefect server start` of its own, the `deploy` deployment (with prefect.yaml's repair
     trigger) registered, and a worker; the in-process Prefect calls of these tests go to it."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogHandler
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     home = tmp_path_factory.mktemp("prefect-server")
@@ -106,6 +108,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
         if worker is not None:
             stop_worker(worker)
             print((home / "worker.log").read_text()[-3000:])
+        # What the in-process flows still send goes out before the server does.
+        APILogHandler().flush()
+        EventsWorker.drain_all()
         running.stop()
 
 
@@ -301,8 +306,13 @@ def test_the_watchdog_event_and_the_automation_recover_a_deployment_that_died(
         webhook.close()
         chain = sorted(runs_of("deploy/deploy") + runs_of(watchdog), key=started)
         print("\nrun history of the recovery:")
+        deploys = {run.id for run in runs_of("deploy/deploy")}
         for run in chain:
-            print(history_line(run, since))
+            did = "(booted)" if booted(run) else "(already serving: nothing done)"
+            print(
+                history_line(run, since),
+                did if run.id in deploys and run.state.is_completed() else "",
+            )
         teardown("lab-dies-once", cluster=cluster)
     # The chain, in order: the deploy, the watchdog run that found it down (the first one after
     # it died: within one interval), the one repair, a healthy watchdog run.

@@ -341,7 +341,8 @@ def _write_holder(client: SyncPrefectClient, holder: NodeHolder) -> None:
         "cluster": holder.cluster,
         "node": holder.node,
         "machine_id": holder.machine_id,
-        "replaces": holder.replaces.as_json() if holder.replaces else None,
+        # Only while a replacement is under way: a plain holder's record stays as it was.
+        **({"replaces": holder.replaces.as_json()} if holder.replaces else {}),
     }
     try:
         _api(client.create_variable, VariableCreate(name=name, value=value, tags=HOLDER_TAGS))
