@@ -384,42 +384,44 @@ def stopped(lab: Lab, daemon: str) -> Iterator[float]:
         lab.start_daemon(daemon)
 
 
-def test_a_node_whose_sshd_is_down_fails_the_first_step_that_needs_it(
-    cluster: str, lab_cluster: Lab, matrix: Matrix
-) -> None:
-    with stopped(lab_cluster, "node1/sshd") as down_at:
-        run = run_flow(deploy, "lab-single", cluster=cluster)
-        assert run.failed
-        attempt = run.named(
-            "hold-nodes", node="node1", cause="cannot connect: .*[Cc]onnection refused"
-        )
-    nothing_left(lab_cluster, cluster)
-    matrix.record(
+# A node daemon down before the deploy: the step that first needs it, what it must say, the row.
+DAEMONS_DOWN = {
+    "node1/sshd": (
+        "hold-nodes",
+        "cannot connect: .*[Cc]onnection refused.*is sshd running",
         "node sshd down before the deploy",
         "hold-nodes (the first SSH of a deploy: the node's machine id): connection refused,"
         " retried",
-        attempt.at - down_at,
-        BOUND_AT_ONCE_S,
-        outcome=f"failed after {len([a for a in run.attempts if a.task_run == attempt.task_run])}"
-        f" attempts, {run.ended_at - down_at:.0f} s",
-        field_note="hold-nodes' retries add 5 + 30 s",
-    )
-
-
-def test_a_node_whose_dockerd_is_down_fails_naming_it(
-    cluster: str, lab_cluster: Lab, matrix: Matrix
-) -> None:
-    with stopped(lab_cluster, "node1/dockerd") as down_at:
-        run = run_flow(deploy, "lab-single", cluster=cluster)
-        assert run.failed
-        attempt = run.named("image", node="node1", cause="Is the docker daemon running")
-        assert "start dockerd there" in attempt.message
-    nothing_left(lab_cluster, cluster)
-    matrix.record(
+        "hold-nodes' retries add 5 + 30 s",
+    ),
+    "node1/dockerd": (
+        "image",
+        "Is the docker daemon running.*start dockerd there",
         "dockerd down",
         "image: the node probe finds no daemon on docker's socket (not retried)",
+        "",
+    ),
+}
+
+
+@pytest.mark.parametrize("daemon", sorted(DAEMONS_DOWN))
+def test_a_node_daemon_down_fails_the_first_step_that_needs_it(
+    cluster: str, lab_cluster: Lab, matrix: Matrix, daemon: str
+) -> None:
+    step, cause, fault, detected_by, field_note = DAEMONS_DOWN[daemon]
+    with stopped(lab_cluster, daemon) as down_at:
+        run = run_flow(deploy, "lab-single", cluster=cluster)
+        assert run.failed
+        attempt = run.named(step, node="node1", cause=cause)
+    nothing_left(lab_cluster, cluster)
+    attempts = len([a for a in run.attempts if a.task_run == attempt.task_run])
+    matrix.record(
+        fault,
+        detected_by,
         attempt.at - down_at,
         BOUND_AT_ONCE_S,
+        outcome=f"failed after {attempts} attempts, {run.ended_at - down_at:.0f} s",
+        field_note=field_note,
     )
 
 
@@ -1094,6 +1096,17 @@ def test_each_fatal_line_kind_fails_the_boot_naming_node_and_kind(
         matrix.record(f"fatal line: {case.label}", "readiness-gate", seconds, BOUND_AT_ONCE_S)
 
 
+def worker_named(run: Run, lab: Lab, cluster: str, recipe: str) -> tuple[str, float]:
+    """A two-node boot that failed on its worker, node2, named so; its kind and the seconds
+    from the evidence. Nothing may be left of it."""
+    assert run.failed
+    error = run.error
+    assert isinstance(error, BootFailed) and error.node == "node2", error
+    seconds = engine_failure(run, cluster, recipe, node="node2", kind=error.kind)
+    nothing_left(lab, cluster)
+    return error.kind, seconds
+
+
 def test_an_engine_crash_on_one_rank_is_named_on_its_node(
     cluster: str, lab_cluster: Lab, tmp_path: Path, matrix: Matrix
 ) -> None:
@@ -1101,14 +1114,8 @@ def test_an_engine_crash_on_one_rank_is_named_on_its_node(
         tmp_path, "lab-two-crash", SINGLE, *TWO_NODES, with_env(STANDIN_FAULT="crash@1")
     )
     run = run_flow(deploy, recipe, cluster=cluster, skip=["smoke"])
-    assert run.failed
-    error = run.error
-    assert isinstance(error, BootFailed) and error.node == "node2", error
-    seconds = engine_failure(run, cluster, recipe, node="node2", kind=error.kind)
-    nothing_left(lab_cluster, cluster)
-    matrix.record(
-        f"engine crash on one rank ({error.kind})", "readiness-gate", seconds, BOUND_AT_ONCE_S
-    )
+    kind, seconds = worker_named(run, lab_cluster, cluster, recipe)
+    matrix.record(f"engine crash on one rank ({kind})", "readiness-gate", seconds, BOUND_AT_ONCE_S)
 
 
 def test_a_real_oom_kill_is_named_from_dockers_state(
@@ -1185,13 +1192,9 @@ def test_a_worker_that_never_joins_is_named(
         run = run_flow(deploy, recipe, cluster=cluster, skip=["smoke"])
     finally:
         subprocess.run([*in_node2, "del", *route], check=True, timeout=10)
-    assert run.failed
-    error = run.error
-    assert isinstance(error, BootFailed) and error.node == "node2", error
-    seconds = engine_failure(run, cluster, recipe, node="node2", kind=error.kind)
-    nothing_left(lab_cluster, cluster)
+    kind, seconds = worker_named(run, lab_cluster, cluster, recipe)
     matrix.record(
-        f"a worker never joins ({error.kind})",
+        f"a worker never joins ({kind})",
         "readiness-gate: the worker's rendezvous timeout (VLLM_RENDEZVOUS_TIMEOUT_S, 5 s here)",
         seconds,
         BOUND_AT_ONCE_S,
@@ -1423,38 +1426,6 @@ def ended_mid_boot(
     return at - ended_at
 
 
-def cancelled_mid_boot(lab: Lab, cluster: str, recipe: str, worker: Worker, matrix: Matrix) -> None:
-    def cancel(flow_run_id: str) -> None:
-        run_prefect(worker.env, "flow-run", "cancel", flow_run_id)
-
-    matrix.record(
-        "deploy cancelled mid-boot",
-        "the deploy's on_cancellation hook, run by the worker once the flow's process ended",
-        ended_mid_boot(lab, cluster, recipe, worker, cancel, "cancelled"),
-        BOUND_WORKER_S,
-    )
-
-
-def process_killed_mid_boot(
-    lab: Lab, cluster: str, recipe: str, worker: Worker, matrix: Matrix
-) -> None:
-    """The flow run's process SIGKILLed (the OOM killer, a person): the worker marks the run
-    Crashed and runs its on_crashed hook."""
-
-    def kill(flow_run_id: str) -> None:
-        process = wait_for(
-            "the flow run's process", lambda: flow_process(worker.running().pid, flow_run_id)
-        )
-        os.kill(process, signal.SIGKILL)
-
-    matrix.record(
-        "the deploy's process killed mid-boot",
-        "the worker marks the run Crashed; the deploy's on_crashed hook tears down",
-        ended_mid_boot(lab, cluster, recipe, worker, kill, "crashed"),
-        BOUND_WORKER_S,
-    )
-
-
 def worker_killed_mid_boot(
     lab: Lab, cluster: str, recipe: str, worker: Worker, matrix: Matrix
 ) -> None:
@@ -1496,8 +1467,33 @@ def test_a_deploy_cancelled_or_killed_under_its_worker_leaves_nothing_in_the_way
     cancelled, its process killed, its worker killed. Then the next deploy of the node takes
     it at once (lock_timeout_s=1): nobody had to step in."""
     recipe = recipe_variant(tmp_path, "lab-slow", SINGLE, with_env(STANDIN_FAULT="slow_boot:20"))
-    cancelled_mid_boot(lab_cluster, cluster, recipe, worker, matrix)
-    process_killed_mid_boot(lab_cluster, cluster, recipe, worker, matrix)
+
+    def cancel(flow_run_id: str) -> None:
+        run_prefect(worker.env, "flow-run", "cancel", flow_run_id)
+
+    def kill_its_process(flow_run_id: str) -> None:
+        """As the OOM killer or a person would: the worker then marks the run Crashed."""
+        process = wait_for(
+            "the flow run's process", lambda: flow_process(worker.running().pid, flow_run_id)
+        )
+        os.kill(process, signal.SIGKILL)
+
+    for end, hook, fault, detected_by in (
+        (
+            cancel,
+            "cancelled",
+            "deploy cancelled mid-boot",
+            "the deploy's on_cancellation hook, run by the worker once the flow's process ended",
+        ),
+        (
+            kill_its_process,
+            "crashed",
+            "the deploy's process killed mid-boot",
+            "the worker marks the run Crashed; the deploy's on_crashed hook tears down",
+        ),
+    ):
+        seconds = ended_mid_boot(lab_cluster, cluster, recipe, worker, end, hook)
+        matrix.record(fault, detected_by, seconds, BOUND_WORKER_S)
     worker_killed_mid_boot(lab_cluster, cluster, recipe, worker, matrix)
     deploys("lab-single", cluster, skip=["smoke"], lock_timeout_s=1)
     teardown("lab-single", cluster=cluster)
