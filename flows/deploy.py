@@ -40,7 +40,7 @@ from tasks.running_copy import check_running_copy
 from tasks.smoke_test import smoke_test
 from tasks.stage_engram import stage_engram_on_nodes
 from tasks.summary import publish_summary
-from tasks.teardown import tear_down_cancelled_run
+from tasks.teardown import tear_down_abandoned_run
 
 # Steps a deploy may skip, e.g. skip=["prefetch"] when the NAS is known to be complete, or
 # skip=["fit"] for a model the fit check sizes wrongly (docs/field.md#memory-fit).
@@ -103,8 +103,10 @@ def _already_serving(plan: Plan, running: RunningCopy, clock: StepClock, how: st
     flow_run_name="deploy {recipe} on {cluster}",
     description="Plan, prefetch, fit, stage, image, compose, boot, readiness gate, smoke test.",
     log_prints=False,
-    # Cancelled from the UI or `prefect flow-run cancel`: nothing of the run is left running.
-    on_cancellation=[tear_down_cancelled_run],
+    # Cancelled from the UI or `prefect flow-run cancel`, or its process killed: nothing of the
+    # run is left running, and its nodes are free.
+    on_cancellation=[tear_down_abandoned_run],
+    on_crashed=[tear_down_abandoned_run],
 )
 def deploy(
     recipe: str,

@@ -61,6 +61,13 @@ NETNS_DIR = Path("/run/netns")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "dockerd", "containerd", "sshd")
 REGISTRY_BINARY = "/usr/bin/docker-registry"
+# A node's daemons as lab.nodeinit starts them (in the node's namespaces, its config files).
+NODE_DAEMON_ARGV = {
+    "sshd": ["/usr/sbin/sshd", "-D", "-e", "-f", "/etc/ssh/sshd_config"],
+    "dockerd": ["/usr/sbin/dockerd", "--config-file", "/etc/docker/daemon.json"],
+}
+# The listener and every session process (OpenSSH 9.8 split the sessions into sshd-session).
+SSHD_COMMANDS = frozenset({"sshd", "sshd-session"})
 MACHINE_ID = Path("/etc/machine-id")
 LAB_NODE_MEMORY_GIB = 6.0
 LAB_ENGINE_OVERHEAD_GIB = 2.0
@@ -354,37 +361,9 @@ class Lab:
         layout = self.layout
         pids = {
             "registry": self._spawn(
-                [
-                    "nsenter",
-                    f"--net={NETNS_DIR / layout.bridge_netns}",
-                    "--",
-                    REGISTRY_BINARY,
-                    "serve",
-                    str(layout.state_dir / "registry.yml"),
-                ],
-                layout.state_dir / "registry.log",
+                self._bridge_daemon_argv("registry"), self._daemon_log("registry")
             ),
-            "hub": self._spawn(
-                [
-                    "nsenter",
-                    f"--net={NETNS_DIR / layout.bridge_netns}",
-                    "--",
-                    sys.executable,
-                    "-m",
-                    "lab.hub",
-                    "--repos",
-                    str(layout.hub_repos_dir),
-                    "--host",
-                    layout.registry_ip,
-                    "--port",
-                    str(HUB_PORT),
-                    "--storage-host",
-                    layout.hub_storage_ip,
-                    "--storage-port",
-                    str(HUB_PORT),
-                ],
-                layout.state_dir / "hub.log",
-            ),
+            "hub": self._spawn(self._bridge_daemon_argv("hub"), self._daemon_log("hub")),
         }
         for node in self.nodes:
             pids[f"{node}/sshd"] = self._spawn(
@@ -409,6 +388,35 @@ class Lab:
             )
         return pids
 
+    def _bridge_daemon_argv(self, daemon: str) -> list[str]:
+        """The registry's or the hub's command, in the bridge's namespace."""
+        layout = self.layout
+        in_bridge = ["nsenter", f"--net={NETNS_DIR / layout.bridge_netns}", "--"]
+        if daemon == "registry":
+            return [*in_bridge, REGISTRY_BINARY, "serve", str(layout.state_dir / "registry.yml")]
+        return [
+            *in_bridge,
+            sys.executable,
+            "-m",
+            "lab.hub",
+            "--repos",
+            str(layout.hub_repos_dir),
+            "--host",
+            layout.registry_ip,
+            "--port",
+            str(HUB_PORT),
+            "--storage-host",
+            layout.hub_storage_ip,
+            "--storage-port",
+            str(HUB_PORT),
+        ]
+
+    def _daemon_log(self, daemon: str) -> Path:
+        node, _, program = daemon.partition("/")
+        if program:
+            return self.layout.node_dir(node) / f"{program}.log"
+        return self.layout.state_dir / f"{daemon}.log"
+
     @staticmethod
     def _spawn(argv: list[str], log_path: Path) -> int:
         """Start a lab daemon in its own session, so it outlives the `lab up` command."""
@@ -426,17 +434,29 @@ class Lab:
         return process.pid
 
     def _wait_until_ready(self, pids: dict[str, int]) -> None:
+        self._wait_for(self._readiness_checks(pids))
+
+    def _readiness_checks(self, pids: dict[str, int]) -> dict[str, tuple[int, Any]]:
+        """What answers once each daemon is up, with the process whose death means it never
+        will (a node's sshd and dockerd both hang off its nodeinit at start-up)."""
         layout = self.layout
-        checks: dict[str, tuple[int, Any]] = {
-            "registry": (pids["registry"], self._registry_answers),
-            "hub": (pids["hub"], self._hub_answers),
-        }
+        checks: dict[str, tuple[int, Any]] = {}
+        if "registry" in pids:
+            checks["registry"] = (pids["registry"], self._registry_answers)
+        if "hub" in pids:
+            checks["hub"] = (pids["hub"], self._hub_answers)
         for node in self.nodes:
-            sshd_pid = pids[f"{node}/sshd"]
             ip = layout.node_ip(node)
             socket_path = layout.docker_socket(node)
-            checks[f"{node} sshd"] = (sshd_pid, lambda ip=ip: _ssh_banner(ip))
-            checks[f"{node} dockerd"] = (sshd_pid, lambda path=socket_path: _docker_ping(path))
+            sshd = pids.get(f"{node}/sshd")
+            dockerd = pids.get(f"{node}/dockerd", sshd)
+            if sshd is not None:
+                checks[f"{node} sshd"] = (sshd, lambda ip=ip: _ssh_banner(ip))
+            if dockerd is not None:
+                checks[f"{node} dockerd"] = (dockerd, lambda path=socket_path: _docker_ping(path))
+        return checks
+
+    def _wait_for(self, checks: dict[str, tuple[int, Any]]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         pending = dict(checks)
         while pending:
@@ -647,7 +667,7 @@ class Lab:
         for _ in range(STOP_ROUNDS):
             pids: set[int] = set()
             for name in netns_names:
-                pids.update(int(pid) for pid in run(["ip", "netns", "pids", name]).split())
+                pids.update(_netns_pids(name))
             for directory in cgroup_dirs:
                 pids.update(_cgroup_pids(directory))
             pids.discard(os.getpid())
@@ -694,6 +714,79 @@ class Lab:
             },
             "remains": [] if state else self.remains(),
         }
+
+    # ---------------------------------------------------------------- fault switches
+
+    def daemons(self) -> list[str]:
+        """What stop_daemon and start_daemon take: registry, hub, <node>/sshd, <node>/dockerd."""
+        return ["registry", "hub"] + [
+            f"{node}/{program}" for node in self.nodes for program in ("sshd", "dockerd")
+        ]
+
+    def stop_daemon(self, daemon: str) -> None:
+        """One of the lab's daemons gone, as when it crashed or was stopped: its process ended
+        (for a node's sshd, every SSH session of the node with it, so no open connection
+        outlives it). Returns once it has exited; start_daemon brings it back."""
+        pids = self._recorded_pids()
+        if daemon not in pids:
+            raise LabError(f"lab {self.name!r} has no daemon {daemon!r}; it has {self.daemons()}")
+        node, _, program = daemon.partition("/")
+        doomed = {pids[daemon]}
+        if program == "sshd":
+            doomed |= {
+                pid
+                for pid in _netns_pids(self.layout.node_netns(node))
+                if _command_name(pid) in SSHD_COMMANDS
+            }
+        _terminate({pid for pid in doomed if _alive(pid)})
+
+    def start_daemon(self, daemon: str) -> int:
+        """A stopped daemon started again as `up` started it (a node's in the node's namespaces),
+        once it answers; its new PID is recorded."""
+        pids = self._recorded_pids()
+        if daemon not in pids:
+            raise LabError(f"lab {self.name!r} has no daemon {daemon!r}; it has {self.daemons()}")
+        if _alive(pids[daemon]):
+            raise LabError(f"lab {self.name!r}: {daemon} is running already (PID {pids[daemon]})")
+        node, _, program = daemon.partition("/")
+        if program:
+            sibling = pids[f"{node}/{'dockerd' if program == 'sshd' else 'sshd'}"]
+            if not _alive(sibling):
+                raise LabError(
+                    f"lab {self.name!r}: {node} has neither sshd nor dockerd running, so its"
+                    " namespaces are gone; bring the lab down and up again"
+                )
+            argv = [
+                "nsenter",
+                f"--target={sibling}",
+                "--net",
+                "--mount",
+                "--uts",
+                "--",
+                *NODE_DAEMON_ARGV[program],
+            ]
+        else:
+            argv = self._bridge_daemon_argv(daemon)
+        pids[daemon] = self._spawn(argv, self._daemon_log(daemon))
+        self._wait_for(self._readiness_checks({daemon: pids[daemon]}))
+        state = json.loads(self.layout.state_file.read_text())
+        _write(self.layout.state_file, json.dumps({**state, "pids": pids}, indent=2))
+        return pids[daemon]
+
+    def daemon_pid(self, daemon: str) -> int:
+        """The PID recorded for one of daemons() (a node's sshd is its first process, whose
+        namespaces and /proc/PID/root are the node's)."""
+        pids = self._recorded_pids()
+        if daemon not in pids:
+            raise LabError(f"lab {self.name!r} has no daemon {daemon!r}; it has {self.daemons()}")
+        return pids[daemon]
+
+    def _recorded_pids(self) -> dict[str, int]:
+        try:
+            state = json.loads(self.layout.state_file.read_text())
+        except FileNotFoundError as error:
+            raise LabError(f"lab {self.name!r} is not up") from error
+        return {what: int(pid) for what, pid in state["pids"].items()}
 
 
 _spawned: dict[int, subprocess.Popen[bytes]] = {}
@@ -788,6 +881,17 @@ def _alive(pid: int) -> bool:
         if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
             return True
     return False
+
+
+def _netns_pids(netns: str) -> set[int]:
+    return {int(pid) for pid in run(["ip", "netns", "pids", netns]).split()}
+
+
+def _command_name(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
 
 
 def _describe(pids: Iterable[int]) -> str:

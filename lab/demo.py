@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -29,9 +28,9 @@ from lab.models import publish_lab_models
 from lab.prefect_local import (
     PROJECT_ROOT,
     PrefectServer,
+    deploy_run,
     register_deployments,
     register_ensure,
-    run_prefect,
     start_worker,
 )
 from lab.vllm_runtime import prepare_real_engine
@@ -48,7 +47,6 @@ STATE_FILE = PREFECT_HOME / "demo.json"
 SERVER_PORT = 4200
 DEPLOY_TIMEOUT_S = 900.0
 ENSURE_INTERVAL_S = 600
-_FLOW_RUN_ID = re.compile(r"UUID:\s*([0-9a-f-]{36})")
 
 
 def _say(message: str) -> None:
@@ -107,22 +105,8 @@ def up(*, real: bool = False) -> int:
     _say("deployments registered; worker started (log: .prefect/worker.log)")
 
     _say(f"prefect deployment run 'deploy/deploy' -p recipe={recipe} -p cluster={LAB_NAME}")
-    result = run_prefect(
-        server.env(),
-        "deployment",
-        "run",
-        "deploy/deploy",
-        "-p",
-        f"recipe={recipe}",
-        "-p",
-        f"cluster={LAB_NAME}",
-        "--watch",
-        "--watch-timeout",
-        str(int(DEPLOY_TIMEOUT_S)),
-        timeout=DEPLOY_TIMEOUT_S + 60,
-    )
-    match = _FLOW_RUN_ID.search(result.stdout)
-    run_url = f"{server.ui_url}/runs/flow-run/{match.group(1)}" if match else server.ui_url
+    flow_run_id = deploy_run(server.env(), recipe, LAB_NAME, watch_timeout_s=DEPLOY_TIMEOUT_S)
+    run_url = f"{server.ui_url}/runs/flow-run/{flow_run_id}"
     ensure = register_ensure(server.env(), recipe, LAB_NAME, interval_s=ENSURE_INTERVAL_S)
     _say(f"{ensure} keeps it up: every {ENSURE_INTERVAL_S} s a smoke test, a redeploy if need be")
     plan = load_plan(recipe, LAB_NAME)

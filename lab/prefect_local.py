@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -31,6 +32,8 @@ SERVER_START_TIMEOUT_S = 180.0
 # connections sooner (uvicorn's default is 5 s) races the next request on one, which then fails
 # with "Server disconnected without sending a response". The server must outwait the client.
 SERVER_KEEPALIVE_S = 30
+# How `prefect deployment run` names the flow run it created.
+FLOW_RUN_ID = re.compile(r"UUID:\s*([0-9a-f-]{36})")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -157,6 +160,30 @@ def run_prefect(
             f"{result.stdout[-2000:]}{result.stderr[-2000:]}"
         )
     return result
+
+
+def deploy_run(
+    env: Mapping[str, str], recipe: str, cluster: str, *, watch_timeout_s: float | None = None
+) -> str:
+    """`prefect deployment run deploy/deploy -p recipe=... -p cluster=...`, watched to its end
+    when watch_timeout_s is given (an error if it does not complete); the flow run's id."""
+    watch = ["--watch", "--watch-timeout", str(int(watch_timeout_s))] if watch_timeout_s else []
+    result = run_prefect(
+        env,
+        "deployment",
+        "run",
+        "deploy/deploy",
+        "-p",
+        f"recipe={recipe}",
+        "-p",
+        f"cluster={cluster}",
+        *watch,
+        timeout=(watch_timeout_s or 0) + 300,
+    )
+    found = FLOW_RUN_ID.search(result.stdout)
+    if found is None:
+        raise SparkDeployError(f"`prefect deployment run` named no flow run: {result.stdout}")
+    return found.group(1)
 
 
 def register_deployments(env: Mapping[str, str], names: Sequence[str] = ()) -> None:

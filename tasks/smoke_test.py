@@ -38,11 +38,14 @@ def smoke_settings(plan: Plan, *, request_timeout_s: float | None = None) -> Smo
         plan.endpoint,
         plan.served_model_name,
         api_key=plan.api_key,
+        head_node=plan.head.node,
         chat_template_kwargs=dict(plan.smoke.chat_template_kwargs),
         tool_calls=has_flag(argv, AUTO_TOOL_CHOICE_FLAG),
         reasoning=has_flag(argv, REASONING_PARSER_FLAG),
         max_tokens=plan.smoke.max_tokens or defaults.max_tokens,
-        request_timeout_s=request_timeout_s or defaults.request_timeout_s,
+        request_timeout_s=(
+            request_timeout_s or plan.smoke.request_timeout_s or defaults.request_timeout_s
+        ),
     )
 
 

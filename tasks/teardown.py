@@ -60,20 +60,24 @@ def teardown_deployment(deployment_id: str, cluster: str) -> TeardownReport:
     return report
 
 
-def tear_down_cancelled_run(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
-    """The deploy flow's on_cancellation hook: what the cancelled run started is torn down (logs
-    kept) and the nodes it holds let go.
+def tear_down_abandoned_run(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """The deploy flow's on_cancellation and on_crashed hook: what the run started is torn down
+    (logs kept) and the nodes it holds let go.
 
-    With a process worker, the flow's process gets SIGTERM first and its own failure path may
-    tear down already; the worker runs this hook after that process has ended (SIGKILLed, maybe,
-    before its teardown finished), outside the run's context: it knows only the run's
-    parameters and plans again from them. It cleans the nodes this run holds and the free ones
-    (a container of this deployment on a free node is an orphan of this run), never a node
-    another run holds (an earlier run of the same recipe may be serving there); a node it took
-    from a deployment it was replacing goes back to that one
+    With a process worker, the flow's process gets SIGTERM first when the run is cancelled and
+    its own failure path may tear down already; the worker runs this hook after that process
+    has ended (SIGKILLed, maybe, before its teardown finished), and also when the process died
+    on its own (killed, out of memory: the run is Crashed), outside the run's context: it knows
+    only the run's parameters and plans again from them. It cleans the nodes this run holds
+    and the free ones (a container of this deployment on a free node is an orphan of this run),
+    never a node another run holds (an earlier run of the same recipe may be serving there); a
+    node it took from a deployment it was replacing goes back to that one
     (sparkdeploy.steps.hold_nodes.give_back), for the next ensure or replacing deploy to bring
-    back. A killed worker runs no hook: the run
-    ends Crashed and the next deploy takes its nodes over (sparkdeploy.steps.hold_nodes).
+    back. A worker killed alone runs no hook of its own: the flow's process either goes on and
+    finishes the deploy or ends Crashed itself and runs this hook. Killed together with that
+    process (the machine died), nothing runs a hook: the run stays Running in Prefect and the
+    next deploy of its nodes waits for it, naming it, until a person tears that deployment down
+    (the teardown flow).
     """
     logger = flow_run_logger(flow_run, flow)
     parameters = {**get_parameter_defaults(flow.fn), **flow_run.parameters}
@@ -98,8 +102,9 @@ def tear_down_cancelled_run(flow: Flow[Any, Any], flow_run: FlowRun, state: Stat
     handed = [f"{node} to {to}" for node, to in given.items() if to is not None]
     removed = ", ".join(f"{c.name} on {c.node}" for c in report.removed) or "no container left"
     others = [node for node in by_node if node not in ours]
+    how = "cancelled" if state.is_cancelling() or state.is_cancelled() else "crashed"
     logger.info(
-        f"cancelled: tore down {plan.deployment_id} ({removed}) on nodes {', '.join(ours)},"
+        f"{how}: tore down {plan.deployment_id} ({removed}) on nodes {', '.join(ours)},"
         f" released {', '.join(released) or 'none (none was still held by this run)'}"
         + (f", gave back {', '.join(handed)}" if handed else "")
         + (f"; left {', '.join(others)} to the deployment holding them" if others else "")

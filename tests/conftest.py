@@ -18,9 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from lab_flows import FAULT_MATRIX_TABLE
 from readiness_lab import Deployment, cache_tiny_model
 
 from lab.cluster import REQUIRED_TOOLS, Lab
+from lab.models import publish_lab_models
 from lab.prefect_local import SERVER_KEEPALIVE_S
 from lab.vllm_runtime import RealEngine, ensure_runtime, prepare_real_engine, unavailable_reason
 from sparkdeploy.remote import ssh
@@ -100,6 +102,15 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield home
 
 
+@pytest.fixture(scope="module")
+def cluster(lab_cluster: Lab, lab_engine_image: str) -> Iterator[str]:
+    """The lab's inventory (a path: the flows take names or paths), with the lab models in its
+    hub, for the flows on the stand-in engine."""
+    publish_lab_models(lab_cluster.hub_repos_dir)
+    yield str(lab_cluster.inventory_path)
+    ssh.close_cached()
+
+
 @pytest.fixture
 def deployments(lab_cluster: Lab, lab_engine_image: str) -> Iterator[list[Deployment]]:
     """Engine containers a test starts (readiness_lab.Deployment); all removed afterwards."""
@@ -109,3 +120,12 @@ def deployments(lab_cluster: Lab, lab_engine_image: str) -> Iterator[list[Deploy
     for deployment in started:
         deployment.remove()
     assert not [name for d in started for name in d.remaining()]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The fault matrix's measured detection times, when its tests ran."""
+    measured = terminalreporter.config.stash.get(FAULT_MATRIX_TABLE, None)
+    if measured is not None:
+        path, table = measured
+        terminalreporter.write_sep("=", f"fault matrix (also in {path})")
+        terminalreporter.write(table)

@@ -1,10 +1,13 @@
-"""Helpers of the flow tests on the lab: recipe variants written for one test, and the check
-that a deployment left nothing behind (no container of ours, no node held)."""
+"""Helpers of the flow tests on the lab: recipe variants written for one test, the check that
+a deployment left nothing behind (no container of ours, no node held), and where the fault
+matrix leaves its table of measured detection times for the end of the pytest output."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from uuid import UUID
+
+import pytest
 
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.steps.hold_nodes import holders
@@ -87,3 +90,7 @@ def answers_the_canary(endpoint: str) -> bool:
         },
     )
     return reply.status == 200 and "5461" in str(reply.json()["choices"][0]["message"]["content"])
+
+
+# (path of the table, the table) once tests/test_fault_matrix.py has measured its faults.
+FAULT_MATRIX_TABLE = pytest.StashKey[tuple[str, str]]()

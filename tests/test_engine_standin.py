@@ -28,7 +28,7 @@ from hfcache_layout import cache_repo
 
 from lab.engine import standin_model
 from lab.engine.standin_args import parse_command_line
-from lab.engine.standin_faults import Faults, FaultSpecError
+from lab.engine.standin_faults import MARKER_NAMED_KINDS, Faults, FaultSpecError
 from lab.engine.standin_log import EngineFatal
 from lab.engine.standin_net import check_node_network, nccl_interfaces_matching
 from lab.engine.vllm_standin import StandinEngine
@@ -755,6 +755,7 @@ FATAL_KINDS = {
     "dist_network": "distributed_connect_timeout",
     "engine_timeout": "engine_ready_timeout",
     "engine_core_failed": "engine_core_init_failed",
+    **{kind: kind for kind in MARKER_NAMED_KINDS},
 }
 SEED_FATAL_LINES = {
     "glm_mla_stride": "GLM MLA parent-page stride must be an exact number of C4 pages",

@@ -1,6 +1,7 @@
 """Readiness over real SSH on the lab: Connection.stream_lines, then sparkdeploy.steps.follow_logs
 following engine stand-in containers on the lab nodes (good boot, fatal lines on the head and on
-a worker, a cgroup OOM kill and SIGKILLs that are not one, a missing container)."""
+a worker, a SIGKILL from outside that is no OOM kill, a missing container). The faults through
+the whole deploy are tests/test_fault_matrix.py."""
 
 from __future__ import annotations
 
@@ -127,16 +128,6 @@ def test_a_fatal_line_fails_naming_the_node_and_the_cause(
     assert f"boot failed on {plan.nodes[rank].node}" in str(error)
 
 
-def test_a_sigkill_without_the_kernels_word_is_named_killed_not_an_oom(
-    lab_cluster: Lab, tmp_path: Path, deployments: list[Deployment]
-) -> None:
-    plan = deploy(lab_cluster, tmp_path, deployments, nodes=1, fault="exit137").plan
-    with pytest.raises(BootFailed) as caught:
-        wait_until_ready(plan, gate_for(plan), timeout_s=FAULT_BOOT_S)
-    assert (caught.value.node, caught.value.kind) == (plan.nodes[0].node, "killed")
-    assert "not an OOM: State.OOMKilled is false" in str(caught.value)
-
-
 def _run_by_hand(plan: Plan, options: list[str], argv: list[str]) -> None:
     """The plan's container started with other options and command (its labels kept, so the
     `deployments` fixture finds and removes it)."""
@@ -146,23 +137,6 @@ def _run_by_hand(plan: Plan, options: list[str], argv: list[str]) -> None:
         ["docker", "run", "-d", "--name", spec.name, *labels, *options, spec.image, *argv],
         timeout=120,
     )
-
-
-def test_a_container_past_its_cgroup_memory_limit_is_named_oom_killed(
-    lab_cluster: Lab, tmp_path: Path, deployments: list[Deployment]
-) -> None:
-    plan = lab_plan(lab_cluster, tmp_path / "recipes", "cgroup-oom", nodes=1)
-    deployments.append(Deployment(plan))
-    # The kernel enforces the cgroup limit: 200 MiB into 64 MiB (no swap) is an OOM kill.
-    _run_by_hand(
-        plan,
-        ["--memory", "64m", "--memory-swap", "64m", "--entrypoint", "python3"],
-        ["-c", "b = bytearray(200 << 20)"],
-    )
-    with pytest.raises(BootFailed) as caught:
-        wait_until_ready(plan, gate_for(plan), timeout_s=FAULT_BOOT_S)
-    assert (caught.value.node, caught.value.kind) == (plan.nodes[0].node, "oom_killed")
-    assert "State.OOMKilled is true" in caught.value.cause
 
 
 def test_a_docker_kill_is_named_killed(

@@ -15,10 +15,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    from lab.engine.standin_net import engine_timeout_line
+    from lab.engine.standin_net import engine_timeout_line, gloo_peer_closed_line
 except ImportError:  # copied flat into the engine image
-    from standin_net import engine_timeout_line  # type: ignore[no-redef]
+    from standin_net import (  # type: ignore[no-redef]
+        engine_timeout_line,
+        gloo_peer_closed_line,
+    )
 
+# Fatal kinds named like the gate's marker for the line they print (sparkdeploy/vllm/markers.py
+# names the upstream file of each): what a GPU cluster prints and a CPU one cannot.
+MARKER_NAMED_KINDS = (
+    "nccl_error",
+    "dist_backend_error",
+    "dist_store_error",
+    "workers_never_joined",
+    "worker_proc_died",
+    "rpc_timed_out",
+    "engine_core_proc_died",
+    "engine_core_fatal",
+    "engine_dead",
+    "worker_died",
+)
 # Where in the boot each fatal kind strikes, and what it prints.
 FATAL_PHASES = {
     "free_memory": "startup",
@@ -30,6 +47,8 @@ FATAL_PHASES = {
     "engine_core_failed": "kv_cache",
     "glm_mla_stride": "kv_cache",
     "fp8_kv_fa3": "kv_cache",
+    # The distributed layer's and the engine core's deaths, while the weights load.
+    **dict.fromkeys(MARKER_NAMED_KINDS, "load"),
 }
 
 SWITCHES = (
@@ -44,6 +63,7 @@ SWITCHES = (
     "bad_after",
     "hang_long_prompt",
     "die_after_ready",
+    "allocate",
 )
 
 
@@ -140,5 +160,35 @@ def fatal_lines(kind: str, env: Mapping[str, str], *, master: tuple[str, int]) -
             "ValueError: GLM MLA parent-page stride must be an exact number of C4 pages"
         ],
         "fp8_kv_fa3": ["ValueError: FP8 KV cache requires FA3 on SM90 or FA4 on SM100"],
+        "nccl_error": [
+            "torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/"
+            "c10d/ProcessGroupNCCL.cpp:3356, unhandled system error (run with NCCL_DEBUG=INFO "
+            "for details), NCCL version 2.27.3"
+        ],
+        "dist_backend_error": [
+            "torch.distributed.DistBackendError: [Rank 1] Process group watchdog thread "
+            "terminated with exception: [Rank 1] Watchdog caught collective operation timeout"
+        ],
+        "dist_store_error": [
+            "torch.distributed.DistStoreError: wait timeout after 300000ms, keys: "
+            "/default_pg//cpu//0"
+        ],
+        "workers_never_joined": [
+            "torch.distributed.DistStoreError: Timed out after 1801 seconds waiting for clients."
+            " 1/2 clients joined."
+        ],
+        "worker_proc_died": [
+            "Worker proc Worker_TP1 died unexpectedly (exit code: -9), shutting down executor."
+        ],
+        "rpc_timed_out": ["TimeoutError: RPC call to execute_model timed out."],
+        "engine_core_proc_died": [
+            "RuntimeError: Engine core process EngineCore_DP0 died unexpectedly."
+        ],
+        "engine_core_fatal": ["EngineCore encountered a fatal error."],
+        "engine_dead": [
+            "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See "
+            "stack trace (above) for the root cause."
+        ],
+        "worker_died": [gloo_peer_closed_line(master[0], 1)],
     }
     return lines[kind]

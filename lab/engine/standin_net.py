@@ -113,6 +113,7 @@ class HeadRendezvous:
     on_worker_lost: Callable[[int, str], None] = lambda rank, reason: None
     workers: dict[int, WorkerLink] = field(default_factory=dict)
     failure: str | None = None
+    failed_worker: WorkerLink | None = None
     ready: bool = False
     closing: bool = False
     _lock: threading.Condition = field(default_factory=threading.Condition)
@@ -202,22 +203,33 @@ class HeadRendezvous:
                     link.loaded = True
                 elif message.get("status") == "failed":
                     self.failure = f"node rank {link.node_rank}: {message.get('error')}"
+                    self.failed_worker = link
                 self._lock.notify_all()
         with self._lock:
             was_ready = self.ready
             if not was_ready and self.failure is None:
                 self.failure = f"node rank {link.node_rank} ({link.host}) closed its connection"
+                self.failed_worker = link
             self.workers.pop(link.node_rank, None)
             self._lock.notify_all()
         if was_ready and not self.closing:
             self.on_worker_lost(link.node_rank, link.host)
+
+    def _startup_failure(self) -> EngineFatal:
+        """A worker failed before ready: rank 0's gloo pair sees its peer go first (as in vLLM
+        0.32, which names the worker only by its address), then the stand-in's own account."""
+        lines = [f"ERROR: worker failed during startup: {self.failure}"]
+        if self.failed_worker is not None:
+            peer = self.failed_worker
+            lines.insert(0, gloo_peer_closed_line(peer.host, peer.node_rank))
+        return EngineFatal(lines)
 
     def wait_all_joined(self, deadline: float, timeout_s: float) -> None:
         """Until every worker has joined (vLLM's head waits in init_process_group, silent)."""
         with self._lock:
             while len(self.workers) < self.nnodes - 1:
                 if self.failure is not None:
-                    raise EngineFatal([f"ERROR: worker failed during startup: {self.failure}"])
+                    raise self._startup_failure()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise EngineFatal([engine_timeout_line(timeout_s)], engine_core=False)
@@ -228,7 +240,7 @@ class HeadRendezvous:
         with self._lock:
             while True:
                 if self.failure is not None:
-                    raise EngineFatal([f"ERROR: worker failed during startup: {self.failure}"])
+                    raise self._startup_failure()
                 loaded = sum(1 for link in self.workers.values() if link.loaded)
                 if loaded == self.nnodes - 1:
                     self.ready = True
@@ -343,6 +355,15 @@ def headless_line(addr: str, port: int) -> str:
     return (
         f"Launching vLLM (v{VLLM_VERSION}) headless multiproc executor, with head node address "
         f"{addr}:{port} for torch.distributed process group."
+    )
+
+
+def gloo_peer_closed_line(host: str, node_rank: int) -> str:
+    """What TP rank 0's gloo pair raises when the process of a peer node is gone."""
+    return (
+        "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
+        f" Connection closed by peer [{host}]:{29500 + node_rank}. This is typically caused by a"
+        " remote worker crashing. Check the logs of the remote worker before reporting an error."
     )
 
 

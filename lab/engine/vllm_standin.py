@@ -30,6 +30,7 @@ try:
         HeadRendezvous,
         WorkerRendezvous,
         check_node_network,
+        gloo_peer_closed_line,
         headless_line,
     )
 except ImportError:  # copied flat into the engine image
@@ -47,6 +48,7 @@ except ImportError:  # copied flat into the engine image
         HeadRendezvous,
         WorkerRendezvous,
         check_node_network,
+        gloo_peer_closed_line,
         headless_line,
     )
 
@@ -93,6 +95,8 @@ class StandinEngine:
         self.server: StandinServer | None = None
         self.state: EngineState | None = None
         self.exit_code: int | None = None
+        # What the `allocate` switch holds on to until the engine exits.
+        self.allocated = b""
         self.stopped = threading.Event()
 
     # -- the boot, in vLLM's order ------------------------------------------------------------
@@ -290,6 +294,9 @@ class StandinEngine:
             raise RuntimeError("STANDIN_FAULT=crash: the engine stand-in crashed loading weights")
         if self.faults.has("exit137"):
             _kill_self()
+        if self.faults.has("allocate"):
+            # Every page written, so the kernel charges it: weights bigger than the memory.
+            self.allocated = b"\x01" * (int(self.faults.number("allocate", 256)) << 20)
         self.strike("load")
         model = model_io.load_model(self.args.model, self.args.revision, self.env)
         tp_ranks = sorted({rank % self.tp for rank in self.local_ranks()})
@@ -439,15 +446,9 @@ class StandinEngine:
 
     def worker_lost(self, node_rank: int, host: str) -> None:
         # vLLM 0.32: TP rank 0's gloo pair reports the peer, then the engine core dies.
-        gloo = (
-            "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
-            f" Connection closed by peer [{host}]:{29500 + node_rank}. This is typically caused "
-            "by a remote worker crashing. Check the logs of the remote worker before reporting "
-            "an error."
-        )
         worker = self.worker_log(0)
         worker.error("multiproc_executor.py:1063", "WorkerProc hit an exception.")
-        worker.error("multiproc_executor.py:1063", gloo)
+        worker.error("multiproc_executor.py:1063", gloo_peer_closed_line(host, node_rank))
         self.engine_died(f"the worker on node rank {node_rank} ({host}) is gone")
 
     def engine_died(self, cause: str) -> None:

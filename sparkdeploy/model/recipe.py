@@ -93,6 +93,7 @@ class SmokeOptions(_Strict):
 
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     max_tokens: int | None = Field(default=None, ge=1)
+    request_timeout_s: float | None = Field(default=None, gt=0)
 
 
 class ComposedSource(_Strict):

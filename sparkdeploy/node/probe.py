@@ -3,12 +3,15 @@
 Standard library only: sparkdeploy.remote.node_script ships this module to the node, whose python3
 runs `main([mode, request_json])`; the last stdout line is the JSON answer. Modes:
 
-- `image`: {"image"} -> the image's id/size/labels (or null), docker's root dir and its free bytes.
+- `image`: {"image"} -> the image's id/size/labels (or null), docker's root dir and its free
+  bytes, and the registry mirrors docker pulls through.
 - `preflight`: {"image", "paths", "create", "gpus", "fabric_ip", "detect_rdma",
   "unified_memory", "required_free_bytes", "drop_page_cache", "stale_label"} -> (the `create`
   dirs made first) the above plus missing paths, the memory figures of /proc/meminfo (after
   dropping the page cache when allowed and needed: `check_memory`), the GPU's compute processes,
   GPU count, RDMA facts, and the IDs of the containers labelled `stale_label` (running or not).
+- `reach`: {"urls"} -> for each URL, null when a TCP connection to its host and port opens
+  within REACH_TIMEOUT_S, else the error: whether a registry answers from the node.
 
 docker is asked through its Engine API on the unix socket the docker CLI would use: a few
 milliseconds a question, where each start of the docker CLI (a Go binary) costs ~25 ms of CPU,
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 DOCKER_TIMEOUT_S = 30
+REACH_TIMEOUT_S = 5
 DEFAULT_DOCKER_SOCKET = "/var/run/docker.sock"
 SYSFS_INFINIBAND = "/sys/class/infiniband"
 _IPV4_MAPPED_PREFIX = "0" * 20 + "ffff"
@@ -69,7 +73,13 @@ def quote(text: str, safe: str = "") -> str:
 
 def docker_facts_of(info: dict[str, Any]) -> dict[str, Any]:
     root = info.get("DockerRootDir") or "/var/lib/docker"
-    return {"version": info.get("ServerVersion"), "root": root, "free_bytes": free_bytes(root)}
+    mirrors = (info.get("RegistryConfig") or {}).get("Mirrors") or []
+    return {
+        "version": info.get("ServerVersion"),
+        "root": root,
+        "free_bytes": free_bytes(root),
+        "mirrors": mirrors,
+    }
 
 
 def image_facts_of(inspected: dict[str, Any]) -> dict[str, Any]:
@@ -417,6 +427,21 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+def reach(url: str) -> str | None:
+    """None when a TCP connection to the URL's host and port opens, else why it did not."""
+    scheme, _, rest = url.rpartition("://")
+    netloc = rest.split("/", 1)[0]
+    host, colon, port = netloc.rpartition(":")
+    if not colon or "]" in port:  # no port: an IPv6 literal's colons are inside its brackets
+        host, port = netloc, ""
+    try:
+        address = (host.strip("[]"), int(port) if port else 443 if scheme == "https" else 80)
+        socket.create_connection(address, timeout=REACH_TIMEOUT_S).close()
+    except (OSError, ValueError) as error:
+        return str(error)
+    return None
+
+
 def main(argv: list[str]) -> int:
     mode, request = argv[0], json.loads(argv[1])
     if mode == "image":
@@ -424,6 +449,8 @@ def main(argv: list[str]) -> int:
         answer = {"docker": facts["docker"], "image": facts["image"]}
     elif mode == "preflight":
         answer = preflight(request)
+    elif mode == "reach":
+        answer = {url: reach(url) for url in request["urls"]}
     else:
         print(f"unknown mode {mode!r}", file=sys.stderr)
         return 2

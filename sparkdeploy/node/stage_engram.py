@@ -339,7 +339,15 @@ def _about(dest: str) -> Iterator[None]:
         failure.dest = dest
         raise
     except OSError as exc:
-        io_failure = StagingFailure("io", f"{exc.filename or dest}: {exc.strerror or exc}")
+        where = f"{exc.filename or dest}: {exc.strerror or exc}"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            io_failure = StagingFailure(
+                "no_space",
+                f"{where}: the disk filled up during the copy; free space there or point"
+                " engram_root at a bigger disk (a re-run resumes from what is durable)",
+            )
+        else:
+            io_failure = StagingFailure("io", where)
         io_failure.dest = dest
         raise io_failure from exc
 

@@ -10,6 +10,7 @@ here, with backoff, and nowhere else; they surface as TransientRemoteError when 
 from __future__ import annotations
 
 import atexit
+import errno
 import select
 import shlex
 import socket
@@ -404,7 +405,7 @@ def _open_client(target: SshTarget) -> paramiko.SSHClient:
             raise RemoteError(
                 f"{target}: identity_file {identity_file} cannot be read: {error}"
             ) from error
-        raise TransientRemoteError(f"{target}: cannot connect: {error!r}") from error
+        raise TransientRemoteError(f"{target}: cannot connect: {_why_not(error)}") from error
     transport = client.get_transport()
     if transport is not None and isinstance(transport.sock, socket.socket):
         # Without it, a command's small packets wait out the peer's delayed ACK (Nagle):
@@ -414,6 +415,21 @@ def _open_client(target: SshTarget) -> paramiko.SSHClient:
     if transport is not None:
         transport.set_keepalive(KEEPALIVE_S)
     return client
+
+
+def _why_not(error: OSError) -> str:
+    """A failed connect in words: paramiko's NoValidConnectionsError keeps each address's
+    error (refused, unreachable) inside, and its own text says neither."""
+    if not isinstance(error, paramiko.ssh_exception.NoValidConnectionsError):
+        return repr(error)
+    causes = [
+        f"{address[0]}:{address[1]}: {getattr(cause, 'strerror', None) or cause}"
+        for address, cause in error.errors.items()
+    ]
+    refused = all(
+        getattr(cause, "errno", None) == errno.ECONNREFUSED for cause in error.errors.values()
+    )
+    return "; ".join(causes) + (" (nothing listens there: is sshd running?)" if refused else "")
 
 
 def connect(target: SshTarget, *, attempts: int = 3) -> Connection:

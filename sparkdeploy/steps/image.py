@@ -35,6 +35,7 @@ from sparkdeploy.remote.docker_cli import (
     on_nodes,
     probe,
     registry_error,
+    stderr_text,
 )
 from sparkdeploy.remote.ssh import CommandResult, SshTarget, cached_connection
 
@@ -86,6 +87,7 @@ class _Facts:
     context: str | None
     root: str
     free_bytes: int
+    mirrors: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,7 @@ def _facts(runner: Runner, node: str, image: str) -> _Facts:
         context=found["labels"].get(CONTEXT_LABEL) if found else None,
         root=docker_facts["root"],
         free_bytes=docker_facts["free_bytes"],
+        mirrors=tuple(docker_facts.get("mirrors", ())),
     )
 
 
@@ -183,8 +186,15 @@ def _with_heartbeat(log: Log, what: str, work: Callable[[], Any]) -> Any:
         heartbeat.join()
 
 
-def _pull(runner: Runner, node: str, reference: str, log: Log) -> int:
-    """Pull on one node, logging docker's layer lines as they come; returns layers downloaded."""
+def _pull(
+    runner: Runner, node: str, reference: str, log: Log, mirrors: tuple[str, ...] = ()
+) -> int:
+    """Pull on one node, logging docker's layer lines as they come; returns layers downloaded.
+
+    docker pulls through the node's registry mirrors and, when one does not answer, falls back
+    to the upstream registry (docs/field.md#nodes-and-fabric): a down mirror then looks like a
+    missing image or an unreachable upstream. So when the pull fails so, the mirrors are asked
+    from the node, and a mirror that does not answer is the transient cause, retried."""
     log(f"node {node}: pulling {reference}")
 
     def pull() -> CommandResult:
@@ -204,7 +214,21 @@ def _pull(runner: Runner, node: str, reference: str, log: Log) -> int:
 
     result = _with_heartbeat(log, f"node {node}: pulling {reference}", pull)
     if result.exit_code != 0:
-        raise registry_error(node, reference, "pulling", result)
+        error = registry_error(node, reference, "pulling", result)
+        if mirrors and not isinstance(error, TransientRemoteError):
+            down = {
+                url: why
+                for url, why in probe(runner, node, "reach", {"urls": mirrors}).items()
+                if why
+            }
+            if down:
+                raise TransientRemoteError(
+                    f"node {node}: pulling {reference} failed: {stderr_text(result)}; the"
+                    f" registry mirror {', '.join(f'{url} ({why})' for url, why in down.items())}"
+                    f" does not answer from {node}, so docker fell back to the upstream"
+                    " registry: the mirror is down, retrying"
+                ) from error
+        raise error
     lines = result.stdout.decode().splitlines()
     layers = sum(1 for line in lines if line.endswith(": Pull complete"))
     reused = sum(1 for line in lines if line.endswith(": Already exists"))
@@ -316,7 +340,7 @@ def _ensure_pulled(
 
     def pull(runner: Runner, node: str) -> tuple[_Facts, _Done]:
         began = time.monotonic()
-        layers = _pull(runner, node, image, log)
+        layers = _pull(runner, node, image, log, facts[node].mirrors)
         done = _Done("pulled", layers, round(time.monotonic() - began, 3))
         return _facts(runner, node, image), done
 

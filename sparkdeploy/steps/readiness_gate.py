@@ -140,7 +140,7 @@ class Failure:
         quoted = "\n".join(f"  | {line}" for line in self.excerpt)
         hint = FAILURE_HINTS.get(self.kind, FAILURE_HINTS["container_exited"])
         message = (
-            f"boot failed on {self.node} after {seconds:.1f} s: {self.cause}\n"
+            f"boot failed on {self.node} after {seconds:.1f} s ({self.kind}): {self.cause}\n"
             f"log of {self.log_node or self.node}:\n{quoted}\nfix: {hint}"
         )
         return BootFailed(

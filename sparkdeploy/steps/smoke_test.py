@@ -277,6 +277,7 @@ class SmokeSettings:
     base_url: str  # e.g. "http://10.77.0.11:8000"
     served_model_name: str
     api_key: SecretStr | None = None  # sent as a bearer token (the plan's api_key)
+    head_node: str = ""  # where the endpoint runs, for the failure message
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     tool_calls: bool = False  # the engine runs with --enable-auto-tool-choice
@@ -435,6 +436,7 @@ class SmokeReport:
     # another client's requests in the meantime count too).
     engine: list[EngineFigure] = field(default_factory=list)
     engine_error: str | None = None  # why there are no engine figures
+    head_node: str = ""
 
     @property
     def passed(self) -> bool:
@@ -472,7 +474,9 @@ class SmokeReport:
             return
         lines = "\n".join(f"  {check.name}: {check.evidence}" for check in self.failed)
         raise SmokeFailed(
-            f"smoke test of {self.served_model_name!r} at {self.base_url} failed "
+            f"smoke test of {self.served_model_name!r} at {self.base_url}"
+            + (f" (head node {self.head_node})" if self.head_node else "")
+            + " failed "
             f"{len(self.failed)} of {len(self.checks)} checks:\n{lines}\n"
             "fix: the evidence names the failure mode (docs/field.md, 'Silent failure modes'); "
             "keep the deployment up to inspect it, or compare with the recipe's last good image"
@@ -723,6 +727,7 @@ def run_smoke(settings: SmokeSettings) -> SmokeReport:
             settings.base_url,
             settings.served_model_name,
             checks,
+            head_node=settings.head_node,
             engine_error=before.error or after.error,
         )
     activity = after.metrics.minus(before.metrics)
@@ -730,5 +735,6 @@ def run_smoke(settings: SmokeSettings) -> SmokeReport:
         settings.base_url,
         settings.served_model_name,
         checks,
+        head_node=settings.head_node,
         engine=engine_metrics.beside_ours(activity, _our_counts(replies, streamed)),
     )

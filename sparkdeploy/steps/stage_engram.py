@@ -169,9 +169,14 @@ def stage_engram_shards(
                 f"answer or exit status (connection lost, or silent for {SILENCE_TIMEOUT_S:.0f} "
                 f"s); a re-run resumes the copy; its output ends with: {tail}"
             )
+        how = (
+            "was killed by a signal (SSH reports exit status -1)"
+            if stream.exit_code == -1
+            else f"exited {stream.exit_code}"
+        )
         raise RemoteError(
-            f"node {node}: the staging script for {_describe(shards)} exited "
-            f"{stream.exit_code} without an answer; its output ends with: {tail}"
+            f"node {node}: the staging script for {_describe(shards)} {how} without an answer;"
+            f" a re-run resumes the copy; its output ends with: {tail or '(nothing)'}"
         )
     if not answer["ok"]:
         failed = [shard for shard in shards if shard.dest == answer.get("dest")] or shards
