@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from lab_flows import nothing_runs, recipe_variant
 
-from flows.deploy import deploy
+from flows.deploy import Step, deploy
 from flows.smoke import smoke
 from flows.teardown import teardown
 from lab.cluster import Lab
 from lab.prefect_local import PROJECT_ROOT, register_deployments, run_prefect, start_worker
 from lab.prefect_local import stop_worker as stop_prefect_worker
 from lab.vllm_runtime import RealEngine
-from sparkdeploy.errors import BootFailed, SparkDeployError
+from sparkdeploy.errors import BootFailed, FitError, SparkDeployError
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.project import load_plan
 from sparkdeploy.remote import engine_http
@@ -160,8 +160,16 @@ def test_a_real_start_up_failure_is_named_and_leaves_nothing(
     cluster: str, tmp_path: Path, name: str, replacement: tuple[str, str], kind: str, evidence: str
 ) -> None:
     recipe = recipe_variant(tmp_path, f"real-{name}", REAL_1X, replacement)
+    skip: list[Step] = ["prefetch", "smoke"]
+    if kind == "model_not_in_offline_cache":
+        # The fit step reads the model's files from the NAS first and refuses before any
+        # boot; skipping it shows what the real engine says when it is started anyway.
+        with pytest.raises(FitError, match="run the prefetch step"):
+            deploy(recipe, cluster=cluster, skip=skip)
+        nothing_runs(cluster)
+        skip.append("fit")
     with pytest.raises(BootFailed) as failed:
-        deploy(recipe, cluster=cluster, skip=["prefetch", "smoke"])
+        deploy(recipe, cluster=cluster, skip=skip)
     assert failed.value.kind == kind, failed.value
     assert failed.value.node == "node1"
     assert any(evidence in line for line in failed.value.excerpt), failed.value.excerpt
