@@ -11,7 +11,7 @@ from sparkdeploy.model.project import project_root
 from sparkdeploy.model.recipe import RepoRef, load_all_recipes
 
 
-@task(name="recipe-repos")
+@task(name="catalog")
 def repos_of_deployable_recipes(pattern: str = "*") -> list[RepoRef]:
     """Every repo named by a recipe matching `pattern` (a glob on recipe names) that is not
     blocked, each once, in recipe order."""

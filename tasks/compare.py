@@ -29,7 +29,7 @@ from sparkdeploy.steps.compare import (
 from tasks.common import artifact_key
 
 
-@task(name="prepare-comparison")
+@task(name="compare-prepare")
 def prepare_comparison(
     side_a: CompareSide, side_b: CompareSide, cluster: str, placement: Placement
 ) -> PreparedComparison:
@@ -77,7 +77,7 @@ def outcome_of_run(label: str, run: Callable[[], State[SideOutcome]]) -> SideOut
     return SideOutcome(label, failed_at="side", cause=state_failure(state), flow_run_id=run_id)
 
 
-@task(name="publish-comparison")
+@task(name="compare-publish")
 def publish_comparison(
     prepared: PreparedComparison, a: SideOutcome, b: SideOutcome, noise: NoiseRule
 ) -> Comparison:

@@ -20,7 +20,7 @@ from sparkdeploy.steps.repair_budget import REPAIR_TAG, WINDOW, EarlierRepair, r
 from tasks.runlabels import deployment_tag, tag_flow_run
 
 
-@task(name="repair-budget", task_run_name="repair budget of {plan.deployment_id}")
+@task(name="repair-budget", task_run_name="repair-budget {plan.deployment_id}")
 def start_repair(plan: Plan, cause: str, *, per_hour: int) -> None:
     """RepairLimitReached when `per_hour` repairs of the deployment started within the past
     hour; else this flow run is tagged as a repair (and counts for the next ones)."""

@@ -22,7 +22,7 @@ from sparkdeploy.steps.teardown import teardown
 ADOPT_TIMEOUT_S = 30.0
 
 
-@task(name="find-replaced")
+@task(name="replace-find")
 def find_replacement(plan: Plan, cluster: str) -> Replacement:
     """The deployments this deploy replaces on its nodes, and those it would bring back if it
     failed; ReplaceRefused, before anything is touched, for one that could not be brought back."""
@@ -34,7 +34,7 @@ def find_replacement(plan: Plan, cluster: str) -> Replacement:
     return replacement
 
 
-@task(name="retire-replaced")
+@task(name="replace-retire")
 def retire_replaced(plan: Plan, replacement: Replacement, cluster: str) -> list[str]:
     """Every replaced deployment's containers removed from the cluster (logs kept on the NAS),
     its nodes outside this plan kept for it by this run, so that a failure can bring it back on
@@ -62,7 +62,7 @@ def retire_replaced(plan: Plan, replacement: Replacement, cluster: str) -> list[
     return retired
 
 
-@task(name="commit-replacement")
+@task(name="replace-commit")
 def commit(plan: Plan, replacement: Replacement) -> list[str]:
     """The new deployment serves: its node records stop naming what they replaced, and the
     replaced deployments let go of their other nodes. Returns the nodes let go."""

@@ -18,7 +18,7 @@ from tasks.common import retry_only
 
 @task(
     name="running-copy",
-    task_run_name="running copy of {plan.deployment_id}",
+    task_run_name="running-copy {plan.deployment_id}",
     retries=2,
     retry_delay_seconds=5,
     retry_condition_fn=retry_only(TransientRemoteError),

@@ -16,7 +16,7 @@ from sparkdeploy.steps.status import DeploymentStatus, cluster_status
 from tasks.common import artifact_key
 
 
-@task(name="cluster-status")
+@task(name="status")
 def read_cluster_status(cluster: str) -> list[DeploymentStatus]:
     """Every deployment of ours on the cluster: its head's health, uptime, last smoke test and
     last health event; a table artifact."""

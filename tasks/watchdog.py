@@ -23,7 +23,7 @@ from sparkdeploy.steps.watchdog import being_deployed, diagnose, node_states
 from tasks.common import artifact_key, retry_only
 
 
-@task(name="running-deployments")
+@task(name="watchdog-targets")
 def running_plans(cluster: str) -> list[Plan]:
     """A plan per deployment of ours on the cluster, rebuilt from its labels; those a deploy is
     busy with are left for the next round."""
@@ -53,8 +53,8 @@ def failure_of(future: PrefectFuture[Any]) -> str | None:
 
 
 @task(
-    name="health",
-    task_run_name="health of {plan.deployment_id}",
+    name="watchdog-health",
+    task_run_name="watchdog-health {plan.deployment_id}",
     retries=2,
     retry_delay_seconds=5,
     retry_condition_fn=retry_only(TransientRemoteError),

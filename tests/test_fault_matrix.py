@@ -1215,7 +1215,7 @@ def test_a_worker_dead_after_ready_is_named_by_the_watchdog(
     assert run.failed
     error = run.error
     assert isinstance(error, DeploymentDown) and error.node == "node2", error
-    attempt = run.named("health of", node="node2", cause=error.kind)
+    attempt = run.named("watchdog-health", node="node2", cause=error.kind)
     teardown("lab-dsv41-3x", cluster=cluster)
     nothing_left(lab_cluster, cluster)
     matrix.record(
