@@ -44,6 +44,8 @@ from hfcache_layout import cache_repo  # noqa: E402
 from local_node import LocalPython  # noqa: E402
 
 from lab.tinymodel import EngramSpec, generate_repo, parse_size  # noqa: E402
+from sparkdeploy.model.plan import EngramStage  # noqa: E402
+from sparkdeploy.model.recipe import RepoRef  # noqa: E402
 from sparkdeploy.node import engram  # noqa: E402
 from sparkdeploy.steps import stage_engram as staging  # noqa: E402
 
@@ -156,17 +158,20 @@ def main() -> int:
             dest = work / f"node{rank}" / filename
 
             def stage_rank() -> staging.StagingResult:
-                return staging.stage_engram(
-                    LocalPython(),
-                    f"node{rank}",  # noqa: B023 (called within this iteration)
-                    nas_hf_cache=str(work / "nas"),
-                    repo=REPO,
-                    revision=None,
+                stage = EngramStage(
+                    repo=RepoRef(repo=REPO),
                     filename=filename,
-                    dest=str(dest),  # noqa: B023
+                    dest=str(dest),  # noqa: B023 (called within this iteration)
                     ranks=[rank],  # noqa: B023
                     tp_size=TP,
                 )
+                (result,) = staging.stage_on_node(
+                    LocalPython(),
+                    f"node{rank}",  # noqa: B023
+                    nas_hf_cache=str(work / "nas"),
+                    stages=[stage],
+                )
+                return result
 
             staging_runs: list[float] = []
             dd_runs: list[float] = []

@@ -77,7 +77,7 @@ def compare_side(
             return SideOutcome(label, summary, smoke, failed_at="benchmark", cause=cause)
         return SideOutcome(label, summary, smoke, measured.result())
     finally:
-        teardown_deployment(plan.deployment_id, plan.cluster)
+        teardown_deployment(plan)
 
 
 @flow(

@@ -15,4 +15,4 @@ def teardown(recipe: str, cluster: str, nodes: list[str] | None = None) -> Teard
     """Tear down what `deploy` started for this recipe on these nodes. Idempotent."""
     plan = plan_deployment(recipe, cluster, nodes, allow_blocked=True)
     label_flow_run(plan, verb="teardown")
-    return teardown_deployment(plan.deployment_id, plan.cluster)
+    return teardown_deployment(plan)

@@ -8,8 +8,6 @@ from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.model.plan import Plan
-from sparkdeploy.remote.docker_cli import Runner, on_nodes
-from sparkdeploy.remote.targets import node_target
 from sparkdeploy.steps.compose_model import ComposeResult, compose_model
 from tasks.common import artifact_key, retry_only
 
@@ -29,19 +27,7 @@ def compose_models_on_nodes(plan: Plan) -> dict[str, ComposeResult]:
         logger.info("the recipe composes no model")
         return {}
 
-    def compose_node(runner: Runner, name: str) -> ComposeResult:
-        composed = composing[name]
-        return compose_model(
-            runner,
-            name,
-            root=composed.root,
-            nas_hf_cache=plan.nas_hf_cache,
-            sources=[(source.repo, source.revision) for source in composed.sources],
-            local_files=composed.local_files,
-        )
-
-    targets = {node.node: node_target(node) for node in plan.nodes if node.node in composing}
-    by_node = on_nodes(targets, compose_node)
+    by_node = compose_model(plan)
     rows = []
     for name, result in by_node.items():
         logger.info(

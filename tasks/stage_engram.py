@@ -8,26 +8,11 @@ from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.model.plan import NodePlan, Plan
-from sparkdeploy.remote.docker_cli import Runner, on_nodes
-from sparkdeploy.remote.targets import node_target
-from sparkdeploy.steps.stage_engram import EngramShard, StagingResult, stage_engram_shards
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.node.stage_engram import StagingResult
+from sparkdeploy.steps.stage_engram import stage_engram
 from sparkdeploy.units import human_bytes
 from tasks.common import artifact_key, retry_only
-
-
-def _shards(node: NodePlan) -> list[EngramShard]:
-    return [
-        EngramShard(
-            repo=stage.repo.repo,
-            revision=stage.repo.revision,
-            filename=stage.filename,
-            dest=stage.dest,
-            ranks=tuple(stage.ranks),
-            tp_size=stage.tp_size,
-        )
-        for stage in node.engram
-    ]
 
 
 @task(
@@ -46,7 +31,7 @@ def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
     finished and resumes an interrupted copy where its journal says it stopped.
     """
     logger = get_run_logger()
-    staged = {node.node: node for node in plan.nodes if node.engram}
+    staged = [node for node in plan.nodes if node.engram]
     if not staged:
         logger.info("the plan stages no Engram shards")
         return {}
@@ -60,7 +45,7 @@ def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
             human_bytes(total),
         )
 
-    for node in staged.values():
+    for node in staged:
         for stage in node.engram:
             logger.info(
                 "node %s: staging %s/%s ranks %s of TP %d to %s",
@@ -72,16 +57,7 @@ def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
                 stage.dest,
             )
 
-    def stage_node(runner: Runner, name: str) -> list[StagingResult]:
-        return stage_engram_shards(
-            runner,
-            name,
-            nas_hf_cache=plan.nas_hf_cache,
-            shards=_shards(staged[name]),
-            on_progress=log_progress,
-        )
-
-    by_node = on_nodes({name: node_target(node) for name, node in staged.items()}, stage_node)
+    by_node = stage_engram(plan, on_progress=log_progress)
     rows = []
     for results in by_node.values():
         for result in results:

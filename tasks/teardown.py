@@ -14,9 +14,9 @@ from prefect.states import State
 from prefect.utilities.callables import get_parameter_defaults
 
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import find_cluster, load_plan
-from sparkdeploy.remote.targets import cluster_targets, plan_targets
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.model.project import load_plan
+from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.steps.hold_nodes import give_back, holders, release_nodes
 from sparkdeploy.steps.teardown import TeardownReport, teardown
 from tasks.common import artifact_key, retry_only
@@ -37,25 +37,23 @@ def _excerpt_markdown(report: TeardownReport) -> str:
 
 @task(
     name="teardown",
+    task_run_name="teardown {plan.deployment_id}",
     retries=2,
     retry_delay_seconds=[5, 30],
     retry_condition_fn=retry_only(TransientRemoteError),
 )
-def teardown_deployment(deployment_id: str, cluster: str) -> TeardownReport:
-    """Every node of the cluster searched for the deployment's containers (by label): logged to
-    the NAS, removed; then the node locks it holds released. A second run finds nothing."""
+def teardown_deployment(plan: Plan) -> TeardownReport:
+    """The plan's nodes searched for the deployment's containers (by label): logged to the NAS,
+    removed; then the node locks it holds released. A second run finds nothing."""
     logger = get_run_logger()
-    inventory = load_cluster(find_cluster(cluster))
-    report = teardown(
-        deployment_id, cluster_targets(inventory), inventory.nas.runs_dir, log=logger.info
-    )
+    report = teardown(plan.deployment_id, plan_targets(plan), plan.runs_dir, log=logger.info)
     release_nodes(
-        inventory.name, [node.name for node in inventory.nodes], deployment_id, log=logger.info
+        plan.cluster, [node.node for node in plan.nodes], plan.deployment_id, log=logger.info
     )
     create_markdown_artifact(
-        key=artifact_key("teardown", deployment_id),
+        key=artifact_key("teardown", plan.deployment_id),
         markdown=_excerpt_markdown(report),
-        description=f"Container log excerpts of {deployment_id}",
+        description=f"Container log excerpts of {plan.deployment_id}",
     )
     return report
 

@@ -20,6 +20,8 @@ from local_node import LocalPython
 
 from lab.tinymodel import EngramSpec, generate_repo
 from sparkdeploy.errors import ComposeError
+from sparkdeploy.model.plan import ComposedPlan, EngramStage
+from sparkdeploy.model.recipe import RepoRef
 from sparkdeploy.steps import compose_model as compose
 from sparkdeploy.steps import stage_engram as staging
 
@@ -53,13 +55,16 @@ def layout(tmp_path: Path) -> Layout:
 
 
 def run(layout: Layout, *, revision: str | None = None) -> compose.ComposeResult:
-    return compose.compose_model(
+    return compose.compose_on_node(
         LocalPython(),
         "node-test",
-        root=str(layout.root),
         nas_hf_cache=str(layout.hf_cache),
-        sources=[(REPO, revision)],
-        local_files=[str(path) for path in layout.local_files],
+        composed=ComposedPlan(
+            root=str(layout.root),
+            sources=[RepoRef(repo=REPO, revision=revision)],
+            local_files=[str(path) for path in layout.local_files],
+            mount="/models",
+        ),
     )
 
 
@@ -211,29 +216,31 @@ def test_engine_standin_boots_offline_from_staged_and_composed_dirs(tmp_path: Pa
     roots = []
     for rank in range(3):
         engram_root = tmp_path / f"node{rank}" / "engram-local"
-        local_files = []
-        for shard in repo.engram_shards.values():
-            staged = staging.stage_engram(
-                LocalPython(),
-                f"node{rank}",
-                nas_hf_cache=str(nas),
-                repo=REPO,
-                revision=None,
+        stages = [
+            EngramStage(
+                repo=RepoRef(repo=REPO),
                 filename=shard,
                 dest=str(engram_root / shard),
                 ranks=[rank],
                 tp_size=3,
             )
-            assert staged.status == "copied"
-            local_files.append(staged.dest)
+            for shard in repo.engram_shards.values()
+        ]
+        staged = staging.stage_on_node(
+            LocalPython(), f"node{rank}", nas_hf_cache=str(nas), stages=stages
+        )
+        assert [result.status for result in staged] == ["copied"] * len(stages)
         root = tmp_path / f"node{rank}" / "composed" / "tiny"
-        composed = compose.compose_model(
+        composed = compose.compose_on_node(
             LocalPython(),
             f"node{rank}",
-            root=str(root),
             nas_hf_cache=str(nas),
-            sources=[(REPO, None)],
-            local_files=local_files,
+            composed=ComposedPlan(
+                root=str(root),
+                sources=[RepoRef(repo=REPO)],
+                local_files=[result.dest for result in staged],
+                mount="/models",
+            ),
         )
         assert composed.status == "built"
         roots.append(root)

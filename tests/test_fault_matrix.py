@@ -770,9 +770,9 @@ def wait_for(what: str, found: Callable[[], Any], timeout_s: float = 120.0) -> A
 
 
 def staging_process(lab: Lab, node: str) -> int | None:
-    """The node's staging script (its request is the JSON with "shards" in its argv)."""
+    """The node's staging script (its request is the JSON with "stages" in its argv)."""
     for pid, (_, name, cmdline) in _node_processes(lab, node).items():
-        if name.startswith("python") and '"shards"' in cmdline:
+        if name.startswith("python") and '"stages"' in cmdline:
             return pid
     return None
 

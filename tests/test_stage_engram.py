@@ -23,7 +23,10 @@ from local_node import LocalPython, LocalStream
 from lab.cluster import Lab
 from lab.tinymodel import EngramSpec, generate_repo
 from sparkdeploy.errors import StagingError
+from sparkdeploy.model.plan import ComposedPlan, EngramStage
+from sparkdeploy.model.recipe import RepoRef
 from sparkdeploy.node.engram import read_safetensors_header
+from sparkdeploy.node.stage_engram import StagingResult
 from sparkdeploy.remote import ssh
 from sparkdeploy.steps import compose_model as compose
 from sparkdeploy.steps import stage_engram as staging
@@ -64,6 +67,12 @@ def nas(tmp_path: Path) -> Nas:
     return make_nas(tmp_path)
 
 
+def engram_stage(repo: str, filename: str, dest: Path | str, ranks: list[int]) -> EngramStage:
+    return EngramStage(
+        repo=RepoRef(repo=repo), filename=filename, dest=str(dest), ranks=ranks, tp_size=TP
+    )
+
+
 def stage(
     nas: Nas,
     dest: Path,
@@ -71,22 +80,18 @@ def stage(
     *,
     stop_after_chunks: int | None = None,
     on_progress: Callable[[str, str, int, int], None] | None = None,
-) -> staging.StagingResult:
-    return staging.stage_engram(
+) -> StagingResult:
+    (result,) = staging.stage_on_node(
         LocalPython(),
         "node-test",
         nas_hf_cache=str(nas.hf_cache),
-        repo=REPO,
-        revision=None,
-        filename=nas.filename,
-        dest=str(dest),
-        ranks=ranks,
-        tp_size=TP,
+        stages=[engram_stage(REPO, nas.filename, dest, ranks)],
         chunk_bytes=CHUNK,
         sync_bytes=SYNC,
         stop_after_chunks=stop_after_chunks,
         on_progress=on_progress,
     )
+    return result
 
 
 def assert_sparse_copy_of(source: Path, dest: Path, ranges: tuple[tuple[int, int], ...]) -> None:
@@ -177,20 +182,13 @@ def test_interrupted_copy_resumes_where_it_stopped(nas: Nas, tmp_path: Path) -> 
 def test_killed_copy_resumes(tmp_path: Path) -> None:
     nas = make_nas(tmp_path, spec=EngramSpec.for_table_bytes(24 * 1024 * 1024, n_heads=3))
     dest = tmp_path / "node" / nas.filename
-    request = {
-        "nas_hf_cache": str(nas.hf_cache),
-        "chunk_bytes": 16 * 1024,
-        "sync_bytes": 64 * 1024,
-        "shards": [
-            {
-                "repo": REPO,
-                "filename": nas.filename,
-                "dest": str(dest),
-                "ranks": [0],
-                "tp_size": TP,
-            }
-        ],
-    }
+    request = staging.node_request(
+        "node-test",
+        nas_hf_cache=str(nas.hf_cache),
+        stages=[engram_stage(REPO, nas.filename, dest, [0])],
+        chunk_bytes=16 * 1024,
+        sync_bytes=64 * 1024,
+    )
     journal = Path(f"{dest}.partial.journal.json")
     process = subprocess.Popen(
         staging.node_argv(request), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -281,26 +279,23 @@ class CountingRunner(LocalPython):
         return super().stream_lines(argv, timeout=timeout, idle_timeout=idle_timeout)
 
 
-def node_shards(nas: Nas, root: Path, rank: int) -> list[staging.EngramShard]:
-    return [
-        staging.EngramShard(REPO, None, name, str(root / name), (rank,), TP)
-        for name in nas.all_shards
-    ]
+def node_shards(nas: Nas, root: Path, rank: int) -> list[EngramStage]:
+    return [engram_stage(REPO, name, root / name, [rank]) for name in nas.all_shards]
 
 
 def test_all_shards_of_a_node_in_one_launch(nas: Nas, tmp_path: Path) -> None:
     runner = CountingRunner()
     shards = node_shards(nas, tmp_path / "node", 2)
     assert len(shards) == 2
-    results = staging.stage_engram_shards(
-        runner, "node-test", nas_hf_cache=str(nas.hf_cache), shards=shards, chunk_bytes=CHUNK
+    results = staging.stage_on_node(
+        runner, "node-test", nas_hf_cache=str(nas.hf_cache), stages=shards, chunk_bytes=CHUNK
     )
     assert [result.status for result in results] == ["copied", "copied"]
     for shard, result in zip(shards, results, strict=True):
         assert result.dest == shard.dest
         assert_sparse_copy_of(nas.snapshot / shard.filename, Path(shard.dest), result.ranges)
-    again = staging.stage_engram_shards(
-        runner, "node-test", nas_hf_cache=str(nas.hf_cache), shards=shards
+    again = staging.stage_on_node(
+        runner, "node-test", nas_hf_cache=str(nas.hf_cache), stages=shards
     )
     assert [result.status for result in again] == ["skipped", "skipped"]
     assert runner.launches == 2
@@ -310,8 +305,8 @@ def test_every_shard_is_checked_before_any_is_copied(nas: Nas, tmp_path: Path) -
     shards = node_shards(nas, tmp_path / "node", 0)
     (nas.snapshot / shards[1].filename).unlink()
     with pytest.raises(StagingError, match=r"\[missing_source\]") as raised:
-        staging.stage_engram_shards(
-            LocalPython(), "node-test", nas_hf_cache=str(nas.hf_cache), shards=shards
+        staging.stage_on_node(
+            LocalPython(), "node-test", nas_hf_cache=str(nas.hf_cache), stages=shards
         )
     assert shards[1].dest in str(raised.value)
     assert shards[0].dest not in str(raised.value)
@@ -330,11 +325,11 @@ def test_free_space_is_checked_for_all_copies_together(nas: Nas, tmp_path: Path)
     )
     try:
         with pytest.raises(StagingError, match=r"\[no_space\].* and .* needs"):
-            staging.stage_engram_shards(
+            staging.stage_on_node(
                 LocalPython(),
                 "node-test",
                 nas_hf_cache=str(nas.hf_cache),
-                shards=node_shards(nas, small, 0),
+                stages=node_shards(nas, small, 0),
             )
         assert list(small.iterdir()) == []
     finally:
@@ -358,18 +353,21 @@ def test_lab_nodes_stage_their_ranks_over_ssh_and_compose(lab_cluster: Lab) -> N
                 local_files = []
                 for shard in generated.engram_shards.values():
 
-                    def stage_over_ssh() -> staging.StagingResult:
-                        return staging.stage_engram(
+                    def stage_over_ssh() -> StagingResult:
+                        (result,) = staging.stage_on_node(
                             connection,
                             node,  # noqa: B023
                             nas_hf_cache=str(hf_cache),
-                            repo=repo_id,
-                            revision=None,
-                            filename=shard,  # noqa: B023
-                            dest=f"{engram_dir}/{shard}",  # noqa: B023
-                            ranks=[rank],  # noqa: B023
-                            tp_size=TP,
+                            stages=[
+                                engram_stage(
+                                    repo_id,
+                                    shard,  # noqa: B023
+                                    f"{engram_dir}/{shard}",  # noqa: B023
+                                    [rank],  # noqa: B023
+                                )
+                            ],
                         )
+                        return result
 
                     result = stage_over_ssh()
                     assert result.status == "copied"
@@ -379,26 +377,32 @@ def test_lab_nodes_stage_their_ranks_over_ssh_and_compose(lab_cluster: Lab) -> N
                     ]
                     assert stage_over_ssh().status == "skipped"
                     local_files.append(result.dest)
-                composed = compose.compose_model(
+                composed = compose.compose_on_node(
                     connection,
                     node,
-                    root=composed_root,
                     nas_hf_cache=str(hf_cache),
-                    sources=[(repo_id, None)],
-                    local_files=local_files,
+                    composed=ComposedPlan(
+                        root=composed_root,
+                        sources=[RepoRef(repo=repo_id)],
+                        local_files=local_files,
+                        mount="/models",
+                    ),
                 )
                 assert composed.status == "built"
                 for local, entry in composed.hardlinks:
                     inodes = connection.run(["stat", "-c", "%i", local, entry], timeout=10)
                     first, second = inodes.stdout.split()
                     assert first == second
-                again = compose.compose_model(
+                again = compose.compose_on_node(
                     connection,
                     node,
-                    root=composed_root,
                     nas_hf_cache=str(hf_cache),
-                    sources=[(repo_id, None)],
-                    local_files=local_files,
+                    composed=ComposedPlan(
+                        root=composed_root,
+                        sources=[RepoRef(repo=repo_id)],
+                        local_files=local_files,
+                        mount="/models",
+                    ),
                 )
                 assert again.status == "unchanged"
     finally:

@@ -30,6 +30,7 @@ only then is DEST.partial renamed to DEST and DEST.manifest.json written.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -93,6 +94,10 @@ class _Aborted(Exception):
 
 @dataclass(frozen=True)
 class Request:
+    """One shard to stage: the plan's EngramStage (sparkdeploy.model.plan) as it arrives here,
+    with what the node's request says for all its shards."""
+
+    node: str
     nas_hf_cache: str
     repo: str
     revision: str | None
@@ -106,20 +111,54 @@ class Request:
     stop_after_chunks: int | None = None
 
     @classmethod
-    def from_json(cls, node: dict[str, Any], shard: dict[str, Any]) -> Request:
-        """One shard of a node request: {"nas_hf_cache", "chunk_bytes", "sync_bytes",
-        "stop_after_chunks", "shards": [shard, ...]}."""
+    def from_json(cls, node: dict[str, Any], stage: dict[str, Any]) -> Request:
+        """One stage of a node request: {"node", "nas_hf_cache", "chunk_bytes", "sync_bytes",
+        "stop_after_chunks", "stages": [EngramStage as JSON, ...]}."""
         return cls(
+            node=node["node"],
             nas_hf_cache=node["nas_hf_cache"],
-            repo=shard["repo"],
-            revision=shard.get("revision"),
-            filename=shard["filename"],
-            dest=shard["dest"],
-            ranks=tuple(sorted(shard["ranks"])),
-            tp_size=shard["tp_size"],
+            repo=stage["repo"]["repo"],
+            revision=stage["repo"].get("revision"),
+            filename=stage["filename"],
+            dest=stage["dest"],
+            ranks=tuple(sorted(stage["ranks"])),
+            tp_size=stage["tp_size"],
             chunk_bytes=node.get("chunk_bytes", DEFAULT_CHUNK_BYTES),
             sync_bytes=node.get("sync_bytes", DEFAULT_SYNC_BYTES),
             stop_after_chunks=node.get("stop_after_chunks"),
+        )
+
+
+@dataclass(frozen=True)
+class StagingResult:
+    """One staged shard, as the node reports it (a {"result": ...} line) and the flow reads it."""
+
+    node: str
+    status: str  # "copied", "resumed" or "skipped"
+    dest: str
+    source: str
+    size: int
+    ranks: tuple[int, ...]
+    tp_size: int
+    header_bytes: int
+    share_bytes: int
+    copied_bytes: int
+    allocated_bytes: int
+    ranges: tuple[tuple[int, int], ...]
+    range_sha256: tuple[str, ...]
+    holes_checked: bool
+    seconds: float
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StagingResult:
+        """The inverse of dataclasses.asdict, which JSON turned the tuples into lists for."""
+        return cls(
+            **{
+                **data,
+                "ranks": tuple(data["ranks"]),
+                "ranges": tuple((begin, end) for begin, end in data["ranges"]),
+                "range_sha256": tuple(data["range_sha256"]),
+            }
         )
 
 
@@ -326,7 +365,7 @@ def stage_all(requests: Sequence[Request], emit: Emit) -> None:
 
             with _about(plan.request.dest):
                 result = stage(plan, resumed, progress)
-        emit({"result": result})
+        emit({"result": dataclasses.asdict(result)})
         started = time.monotonic()
 
 
@@ -352,7 +391,7 @@ def _about(dest: str) -> Iterator[None]:
         raise io_failure from exc
 
 
-def stage(plan: CopyPlan, resume_from: int, progress: Progress) -> dict[str, Any]:
+def stage(plan: CopyPlan, resume_from: int, progress: Progress) -> StagingResult:
     """Copy, verify and put in place one checked plan (resume_from bytes already durable)."""
     started = time.monotonic()
     dest = plan.request.dest
@@ -399,24 +438,25 @@ def stage(plan: CopyPlan, resume_from: int, progress: Progress) -> dict[str, Any
 
 def _result(
     plan: CopyPlan, status: str, manifest: dict[str, Any], *, copied: int, started: float
-) -> dict[str, Any]:
+) -> StagingResult:
     stat = os.stat(plan.request.dest)
-    return {
-        "status": status,
-        "dest": plan.request.dest,
-        "source": plan.source,
-        "size": plan.size,
-        "ranks": list(plan.request.ranks),
-        "tp_size": plan.request.tp_size,
-        "header_bytes": plan.header_bytes,
-        "share_bytes": plan.copy_bytes - plan.header_bytes,
-        "copied_bytes": copied,
-        "allocated_bytes": stat.st_blocks * 512,
-        "ranges": manifest["ranges"],
-        "range_sha256": manifest["range_sha256"],
-        "holes_checked": manifest["holes_checked"],
-        "seconds": round(time.monotonic() - started, 3),
-    }
+    return StagingResult(
+        node=plan.request.node,
+        status=status,
+        dest=plan.request.dest,
+        source=plan.source,
+        size=plan.size,
+        ranks=plan.request.ranks,
+        tp_size=plan.request.tp_size,
+        header_bytes=plan.header_bytes,
+        share_bytes=plan.copy_bytes - plan.header_bytes,
+        copied_bytes=copied,
+        allocated_bytes=stat.st_blocks * 512,
+        ranges=tuple((begin, end) for begin, end in manifest["ranges"]),
+        range_sha256=tuple(manifest["range_sha256"]),
+        holes_checked=manifest["holes_checked"],
+        seconds=round(time.monotonic() - started, 3),
+    )
 
 
 def iter_chunks(
@@ -686,7 +726,7 @@ def _emit(line: dict[str, Any]) -> None:
 def main(argv: Sequence[str]) -> int:
     (request_json,) = argv
     node = json.loads(request_json)
-    requests = [Request.from_json(node, shard) for shard in node["shards"]]
+    requests = [Request.from_json(node, stage) for stage in node["stages"]]
     try:
         stage_all(requests, _emit)
     except StagingFailure as failure:

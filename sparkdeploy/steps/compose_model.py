@@ -8,20 +8,22 @@ files hardlinked in) and for how it is swapped in and left alone when unchanged.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 from sparkdeploy.errors import ComposeError, RemoteError
+from sparkdeploy.model.plan import ComposedPlan, Plan
 from sparkdeploy.node import compose_model as node_compose
 from sparkdeploy.node import hfcache as node_hfcache
+from sparkdeploy.remote.docker_cli import on_nodes
 from sparkdeploy.remote.node_script import (
     STDERR_TAIL_CHARS,
     PythonRunner,
     build_node_script,
     last_json_line,
 )
+from sparkdeploy.remote.targets import node_target
 
 # Symlinks and hardlinks only, no data: a minute is a sick node.
 COMPOSE_TIMEOUT_S = 60.0
@@ -41,23 +43,13 @@ def node_script() -> str:
     return build_node_script(node_compose, [node_hfcache])
 
 
-def compose_model(
-    runner: PythonRunner,
-    node: str,
-    *,
-    root: str,
-    nas_hf_cache: str,
-    sources: Sequence[tuple[str, str | None]],
-    local_files: Sequence[str],
+def compose_on_node(
+    runner: PythonRunner, node: str, *, nas_hf_cache: str, composed: ComposedPlan
 ) -> ComposeResult:
-    """Make the composed HF cache at `root` on `node` match the sources (repo, revision) and
-    local files."""
-    request = {
-        "root": root,
-        "nas_hf_cache": nas_hf_cache,
-        "sources": [{"repo": repo, "revision": revision} for repo, revision in sources],
-        "local_files": list(local_files),
-    }
+    """Make the composed HF cache at `composed.root` on `node` match the plan's sources and
+    local files. The plan's ComposedPlan travels to the node as it is (serialised once)."""
+    root = composed.root
+    request = {"nas_hf_cache": nas_hf_cache, **composed.model_dump(mode="json")}
     completed = runner.run_python(
         node_script(), [json.dumps(request)], timeout=COMPOSE_TIMEOUT_S, check=False
     )
@@ -80,5 +72,17 @@ def compose_model(
         sources=tuple((s["repo"], s["commit"]) for s in result["sources"]),
         hardlinks=tuple(
             (local, entry) for local, entries in result["hardlinks"].items() for entry in entries
+        ),
+    )
+
+
+def compose_model(plan: Plan) -> dict[str, ComposeResult]:
+    """Every node's composed HF cache, all nodes at once; nodes whose plan composes nothing are
+    left out."""
+    composing = {node.node: node.composed for node in plan.nodes if node.composed is not None}
+    return on_nodes(
+        {node.node: node_target(node) for node in plan.nodes if node.node in composing},
+        lambda runner, name: compose_on_node(
+            runner, name, nas_hf_cache=plan.nas_hf_cache, composed=composing[name]
         ),
     )

@@ -13,19 +13,22 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol
 
 from sparkdeploy.errors import RemoteError, StagingError, TransientRemoteError
+from sparkdeploy.model.plan import EngramStage, Plan
 from sparkdeploy.node import engram
 from sparkdeploy.node import hfcache as node_hfcache
 from sparkdeploy.node import stage_engram as node_staging
+from sparkdeploy.node.stage_engram import StagingResult
+from sparkdeploy.remote.docker_cli import on_nodes
 from sparkdeploy.remote.node_script import (
     STDERR_TAIL_CHARS,
     build_node_script,
     python_argv,
 )
+from sparkdeploy.remote.targets import node_target
 
 # The longest the node script may stay silent: while it checks the shards (NAS lookups and
 # header reads) and between two progress lines of a copy (one fdatasync of a slow disk).
@@ -57,80 +60,61 @@ class StreamRunner(Protocol):
     ) -> LineSource: ...
 
 
-@dataclass(frozen=True)
-class EngramShard:
-    """One sparse copy to make on a node: the shard, its local path and the node's ranks."""
-
-    repo: str
-    revision: str | None
-    filename: str
-    dest: str
-    ranks: tuple[int, ...]
-    tp_size: int
-
-
-@dataclass(frozen=True)
-class StagingResult:
-    node: str
-    status: str  # "copied", "resumed" or "skipped"
-    dest: str
-    source: str
-    size: int
-    ranks: tuple[int, ...]
-    tp_size: int
-    header_bytes: int
-    share_bytes: int
-    copied_bytes: int
-    allocated_bytes: int
-    ranges: tuple[tuple[int, int], ...]
-    range_sha256: tuple[str, ...]
-    holes_checked: bool
-    seconds: float
-
-
 @cache
 def node_script() -> str:
     return build_node_script(node_staging, [engram, node_hfcache])
 
 
 def node_argv(request: dict[str, Any]) -> list[str]:
-    """The node command for one request (see node_staging.Request.from_json)."""
+    """The node command for one node's request (see node_staging.Request.from_json)."""
     return python_argv(node_script(), [json.dumps(request)])
 
 
-def stage_engram_shards(
+def node_request(
+    node: str,
+    *,
+    nas_hf_cache: str,
+    stages: Sequence[EngramStage],
+    chunk_bytes: int = node_staging.DEFAULT_CHUNK_BYTES,
+    sync_bytes: int = node_staging.DEFAULT_SYNC_BYTES,
+    stop_after_chunks: int | None = None,
+) -> dict[str, Any]:
+    """What the node script reads (node_staging.Request.from_json): the plan's stages as they
+    are, serialised once, with what applies to all of them."""
+    return {
+        "node": node,
+        "nas_hf_cache": nas_hf_cache,
+        "chunk_bytes": chunk_bytes,
+        "sync_bytes": sync_bytes,
+        "stop_after_chunks": stop_after_chunks,
+        "stages": [stage.model_dump(mode="json") for stage in stages],
+    }
+
+
+def stage_on_node(
     runner: StreamRunner,
     node: str,
     *,
     nas_hf_cache: str,
-    shards: Sequence[EngramShard],
+    stages: Sequence[EngramStage],
     on_progress: ProgressCallback | None = None,
     chunk_bytes: int = node_staging.DEFAULT_CHUNK_BYTES,
     sync_bytes: int = node_staging.DEFAULT_SYNC_BYTES,
     stop_after_chunks: int | None = None,
 ) -> list[StagingResult]:
-    """Make (or find, or finish) the verified sparse copy of each shard on one node.
+    """Make (or find, or finish) the verified sparse copy of each of a node's stages.
 
-    stop_after_chunks is fault injection for tests: the node stops as if killed after writing
-    that many chunks.
+    stop_after_chunks is fault injection for tests: the
+    node stops as if killed after writing that many chunks.
     """
-    request: dict[str, Any] = {
-        "nas_hf_cache": nas_hf_cache,
-        "chunk_bytes": chunk_bytes,
-        "sync_bytes": sync_bytes,
-        "stop_after_chunks": stop_after_chunks,
-        "shards": [
-            {
-                "repo": shard.repo,
-                "revision": shard.revision,
-                "filename": shard.filename,
-                "dest": shard.dest,
-                "ranks": list(shard.ranks),
-                "tp_size": shard.tp_size,
-            }
-            for shard in shards
-        ],
-    }
+    request = node_request(
+        node,
+        nas_hf_cache=nas_hf_cache,
+        stages=stages,
+        chunk_bytes=chunk_bytes,
+        sync_bytes=sync_bytes,
+        stop_after_chunks=stop_after_chunks,
+    )
     stream = runner.stream_lines(
         node_argv(request), timeout=STREAM_BACKSTOP_S, idle_timeout=SILENCE_TIMEOUT_S
     )
@@ -150,13 +134,13 @@ def stage_engram_shards(
                 progress = line["progress"]
                 on_progress(node, progress["dest"], progress["done"], progress["total"])
         elif "result" in line:
-            results.append(_staging_result(node, line["result"]))
+            results.append(StagingResult.from_json(line["result"]))
         elif "ok" in line:
             answer = line
         if deadline is not None and time.monotonic() > deadline:
             stream.close()
             raise RemoteError(
-                f"node {node}: staging {_describe(shards)} did not finish by its deadline (the "
+                f"node {node}: staging {_describe(stages)} did not finish by its deadline (the "
                 f"bytes left at {MIN_COPY_BYTES_PER_S / 1e6:.0f} MB/s plus "
                 f"{COPY_TIMEOUT_BASE_S:.0f} s); the NAS or the local disk is too slow; a re-run "
                 "resumes the copy"
@@ -165,7 +149,7 @@ def stage_engram_shards(
         tail = "\n".join(other_output)[-STDERR_TAIL_CHARS:]
         if stream.exit_code is None:
             raise TransientRemoteError(
-                f"node {node}: the staging script for {_describe(shards)} stopped without an "
+                f"node {node}: the staging script for {_describe(stages)} stopped without an "
                 f"answer or exit status (connection lost, or silent for {SILENCE_TIMEOUT_S:.0f} "
                 f"s); a re-run resumes the copy; its output ends with: {tail}"
             )
@@ -175,11 +159,11 @@ def stage_engram_shards(
             else f"exited {stream.exit_code}"
         )
         raise RemoteError(
-            f"node {node}: the staging script for {_describe(shards)} {how} without an answer;"
+            f"node {node}: the staging script for {_describe(stages)} {how} without an answer;"
             f" a re-run resumes the copy; its output ends with: {tail or '(nothing)'}"
         )
     if not answer["ok"]:
-        failed = [shard for shard in shards if shard.dest == answer.get("dest")] or shards
+        failed = [stage for stage in stages if stage.dest == answer.get("dest")] or stages
         raise StagingError(
             f"node {node}: staging {_describe(failed)} failed [{answer['kind']}]: "
             f"{answer['message']}"
@@ -188,34 +172,20 @@ def stage_engram_shards(
 
 
 def stage_engram(
-    runner: StreamRunner,
-    node: str,
-    *,
-    nas_hf_cache: str,
-    repo: str,
-    revision: str | None,
-    filename: str,
-    dest: str,
-    ranks: Sequence[int],
-    tp_size: int,
-    on_progress: ProgressCallback | None = None,
-    chunk_bytes: int = node_staging.DEFAULT_CHUNK_BYTES,
-    sync_bytes: int = node_staging.DEFAULT_SYNC_BYTES,
-    stop_after_chunks: int | None = None,
-) -> StagingResult:
-    """stage_engram_shards for a single shard."""
-    shard = EngramShard(repo, revision, filename, dest, tuple(ranks), tp_size)
-    (result,) = stage_engram_shards(
-        runner,
-        node,
-        nas_hf_cache=nas_hf_cache,
-        shards=[shard],
-        on_progress=on_progress,
-        chunk_bytes=chunk_bytes,
-        sync_bytes=sync_bytes,
-        stop_after_chunks=stop_after_chunks,
+    plan: Plan, *, on_progress: ProgressCallback | None = None
+) -> dict[str, list[StagingResult]]:
+    """Every node's stages of the plan, all nodes at once; nodes with none are left out."""
+    staged = {node.node: node for node in plan.nodes if node.engram}
+    return on_nodes(
+        {name: node_target(node) for name, node in staged.items()},
+        lambda runner, name: stage_on_node(
+            runner,
+            name,
+            nas_hf_cache=plan.nas_hf_cache,
+            stages=staged[name].engram,
+            on_progress=on_progress,
+        ),
     )
-    return result
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
@@ -226,29 +196,9 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
     return line if isinstance(line, dict) else None
 
 
-def _describe(shards: Sequence[EngramShard]) -> str:
+def _describe(stages: Sequence[EngramStage]) -> str:
     return "; ".join(
-        f"{shard.repo}/{shard.filename} to {shard.dest} (ranks {list(shard.ranks)} of TP "
-        f"{shard.tp_size})"
-        for shard in shards
-    )
-
-
-def _staging_result(node: str, result: dict[str, Any]) -> StagingResult:
-    return StagingResult(
-        node=node,
-        status=result["status"],
-        dest=result["dest"],
-        source=result["source"],
-        size=result["size"],
-        ranks=tuple(result["ranks"]),
-        tp_size=result["tp_size"],
-        header_bytes=result["header_bytes"],
-        share_bytes=result["share_bytes"],
-        copied_bytes=result["copied_bytes"],
-        allocated_bytes=result["allocated_bytes"],
-        ranges=tuple((begin, end) for begin, end in result["ranges"]),
-        range_sha256=tuple(result["range_sha256"]),
-        holes_checked=result["holes_checked"],
-        seconds=result["seconds"],
+        f"{stage.repo.repo}/{stage.filename} to {stage.dest} (ranks {stage.ranks} of TP "
+        f"{stage.tp_size})"
+        for stage in stages
     )
