@@ -75,7 +75,7 @@ def main() -> None:
         requests_per_level=options.requests,
         repeats=3,
     )
-    with local_standin(env={"STANDIN_TOKEN_DELAY_S": DELAY_S}) as endpoint:
+    with local_standin(env={"STANDIN_DECODE_DELAY_S": DELAY_S}) as endpoint:
         result = run_benchmark(SmokeSettings(endpoint, SERVED), settings)
         words = result.prompt.words
         with ThreadPoolExecutor(max_workers=options.concurrency) as pool:

@@ -60,7 +60,7 @@ args = {json.dumps(["--served-model-name", SERVED, *args])}
 [env]
 HF_HUB_OFFLINE = "1"
 STANDIN_FAULT = {json.dumps(fault)}
-STANDIN_TOKEN_DELAY_S = "0"
+STANDIN_DECODE_DELAY_S = "0"
 {smoke}
 """
     )

@@ -33,7 +33,7 @@ SETTINGS = BenchmarkSettings(
 
 @pytest.fixture(scope="module")
 def result() -> Iterator[BenchmarkResult]:
-    with local_standin(env={"STANDIN_TOKEN_DELAY_S": "0.002"}) as endpoint:
+    with local_standin(env={"STANDIN_DECODE_DELAY_S": "0.002"}) as endpoint:
         yield run_benchmark(SmokeSettings(endpoint, SERVED), SETTINGS, max_num_seqs=4)
 
 

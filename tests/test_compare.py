@@ -219,7 +219,7 @@ def smoke(*, garbled: bool = False) -> SmokeReport:
 def prepared(cluster: Cluster, tmp_path: Path) -> PreparedComparison:
     return prepare(
         CompareSide(recipe="real-lab-1x"),
-        CompareSide(recipe="real-lab-1x", env={"STANDIN_TOKEN_DELAY_S": "0.02"}),
+        CompareSide(recipe="real-lab-1x", env={"STANDIN_DECODE_DELAY_S": "0.02"}),
         cluster,
         "sequential",
         variants=tmp_path,
@@ -293,8 +293,7 @@ def test_the_artifact_has_the_diff_on_top_then_the_table(prepared: PreparedCompa
     b = SideOutcome("B", summary(10.5), smoke(), benchmark([0.040, 0.041, 0.039]))
     markdown = Comparison.of(prepared, a, b, NoiseRule()).markdown()
     diff_at = markdown.index("## What differs")
-    # the delay's name says TOKEN: a secret's name (sparkdeploy.model.secrecy), so its value is ***
-    assert "| env | `STANDIN_TOKEN_DELAY_S` | (not set) | *** (differs) |" in markdown
+    assert "| env | `STANDIN_DECODE_DELAY_S` | (not set) | 0.02 |" in markdown
     assert diff_at < markdown.index("| env |") < markdown.index("## Side by side")
     assert "| c=4 | decode tok/s per request (p50) |" in markdown and "**worse**" in markdown
     assert "Noise: benchmark figures: median of the repeated runs" in markdown

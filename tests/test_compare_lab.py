@@ -1,4 +1,4 @@
-"""The compare flow on the lab with the engine stand-in, whose STANDIN_TOKEN_DELAY_S makes a
+"""The compare flow on the lab with the engine stand-in, whose STANDIN_DECODE_DELAY_S makes a
 known difference: a slower side is worse on decode rate and the same on correctness, a recipe
 against its copy is the same everywhere, a side that fails is named and the other still runs.
 Each leaves nothing running."""
@@ -60,7 +60,7 @@ def variants(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def delay(seconds: str) -> CompareSide:
-    return CompareSide(recipe="lab-single", env={"STANDIN_TOKEN_DELAY_S": seconds})
+    return CompareSide(recipe="lab-single", env={"STANDIN_DECODE_DELAY_S": seconds})
 
 
 def compare_artifact(flow_run_id: Any) -> str:
@@ -108,7 +108,7 @@ def test_a_slower_side_is_worse_on_decode_rate_and_the_same_on_correctness(clust
     assert smoke and all(row.verdict == "same" and row.a == row.b == "pass" for row in smoke)
     print_client_checks(comparison)
     markdown = compare_artifact(state.state_details.flow_run_id)
-    assert "STANDIN_TOKEN_DELAY_S" in markdown.split("## Side by side")[0]  # the diff on top
+    assert "STANDIN_DECODE_DELAY_S" in markdown.split("## Side by side")[0]  # the diff on top
     assert "data:image/svg+xml;base64," in markdown and "**worse**" in markdown
     assert markdown.count("](http") >= 2  # both sides' runs linked
     print(markdown)

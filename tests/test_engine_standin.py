@@ -171,7 +171,7 @@ class Engines:
         full_env.update(
             HF_HUB_OFFLINE="1",
             HF_HUB_CACHE=str(hf_cache or self.hf_cache),
-            STANDIN_TOKEN_DELAY_S="0",
+            STANDIN_DECODE_DELAY_S="0",
             PYTHONPATH=str(REPO_ROOT) if script == STANDIN else "",
         )
         full_env.update(env or {})

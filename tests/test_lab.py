@@ -296,7 +296,7 @@ def test_engine_image_boots_on_three_nodes_and_answers_a_chat(
             *("--volume", f"{hf_cache}:{hf_cache}:ro"),
             *("--env", "HF_HUB_OFFLINE=1", "--env", f"HF_HUB_CACHE={hf_cache}"),
             *("--env", f"VLLM_HOST_IP={lab_cluster.node_ip(node)}"),
-            *("--env", f"NCCL_SOCKET_IFNAME={FABRIC_NETDEV}", "--env", "STANDIN_TOKEN_DELAY_S=0"),
+            *("--env", f"NCCL_SOCKET_IFNAME={FABRIC_NETDEV}", "--env", "STANDIN_DECODE_DELAY_S=0"),
             lab_engine_image,
             *("vllm", "serve", model, "--served-model-name", "tiny"),
             *("--tensor-parallel-size", str(nnodes), "--distributed-executor-backend", "mp"),

@@ -56,8 +56,13 @@ def secret_plan(tmp_path: Path) -> Plan:
         ("HF_TOKEN", True),
         ("db_password", True),
         ("AWS_SECRET_ACCESS_KEY", True),
+        ("OPENAI_APIKEY", True),
+        ("hub.token", True),
         ("MY_VAR", False),
         ("OMP_NUM_THREADS", False),
+        ("TOKENIZERS_PARALLELISM", False),
+        ("VLLM_MAX_TOKENS", False),
+        ("KEYBOARD", False),
     ],
 )
 def test_secret_names(name: str, secret: bool) -> None:

@@ -375,7 +375,7 @@ class StandinEngine:
             api_keys=tuple(key for key in (args.api_key or [self.env.get("VLLM_API_KEY")]) if key),
             block_size=args.block_size or 16,
             kv_cache_tokens=plan.tokens,
-            token_delay_s=float(self.env.get("STANDIN_TOKEN_DELAY_S", "0.001")),
+            token_delay_s=float(self.env.get("STANDIN_DECODE_DELAY_S", "0.001")),
             prefix_caching=args.enable_prefix_caching is not False,
         )
         faults = OutputFaults(

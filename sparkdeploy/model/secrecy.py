@@ -1,16 +1,18 @@
 """Which recipe values are secret, and the one way they are shown: `***`.
 
-A secret is the value of `--api-key`, of an env variable whose name contains TOKEN, SECRET, KEY
-or PASSWORD (any case: VLLM_API_KEY, HF_TOKEN, ...), or of one the recipe lists in
-`secret_env`. The plan carries secrets as `Secret` (pydantic's SecretStr, shown as `***` in JSON
-and `**********` in repr), never as plain strings, so printing a plan, a settings object or an
-error built from them shows no value. They reach a node only through an env file written over
-the SSH connection's stdin (sparkdeploy.steps.boot), never through an argv: `ps` on a node shows
-every process's argv to every user.
+A secret is the value of `--api-key`, of an env variable one of whose words (the name split at
+`_`, `-` and `.`, any case) is or ends in TOKEN, SECRET, KEY or PASSWORD (VLLM_API_KEY, HF_TOKEN,
+OPENAI_APIKEY, ...; not TOKENIZERS_PARALLELISM or VLLM_MAX_TOKENS, whose values the operators
+need to read), or of one the recipe lists in `secret_env`. The plan carries secrets as `Secret`
+(pydantic's SecretStr, shown as `***` in JSON and `**********` in repr), never as plain strings, so
+printing a plan, a settings object or an error built from them shows no value. They reach a node
+only through an env file written over the SSH connection's stdin (sparkdeploy.steps.boot), never
+through an argv: `ps` on a node shows every process's argv to every user.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable
 from typing import Annotated
 
@@ -18,6 +20,7 @@ from pydantic import PlainSerializer, SecretStr
 
 MASK = "***"
 SECRET_NAME_PARTS = ("TOKEN", "SECRET", "KEY", "PASSWORD")
+_NAME_WORD_SEPARATORS = re.compile(r"[_.-]")
 API_KEY_FLAG = "--api-key"
 # vLLM reads the API key from this env variable when --api-key is absent
 # (vllm-project/vllm, vllm/entrypoints/serve/middleware/register.py in 0.32.0:
@@ -31,8 +34,8 @@ Secret = Annotated[SecretStr, PlainSerializer(lambda _: MASK, return_type=str, w
 
 def is_secret_name(name: str, marked: Collection[str] = ()) -> bool:
     """Whether the env variable `name` holds a secret (module docstring)."""
-    upper = name.upper()
-    return name in marked or any(part in upper for part in SECRET_NAME_PARTS)
+    words = _NAME_WORD_SEPARATORS.split(name.upper())
+    return name in marked or any(word.endswith(SECRET_NAME_PARTS) for word in words)
 
 
 def unsafe_value_problem(value: str) -> str | None:
