@@ -3,6 +3,8 @@ placement, verdicts within noise, a failed side, the artifact's markdown."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -112,6 +114,114 @@ def test_a_variant_is_written_once_privately_and_keeps_the_recipe(tmp_path: Path
     canonical = [flag.canonical for flag in toggled.vllm_args.flags]
     assert canonical.count("--max-num-seqs") == 1  # the override replaced the recipe's
     assert "--no-enforce-eager" in toggled.args
+
+
+def git(repo: Path, *argv: str) -> str:
+    completed = subprocess.run(
+        ["git", "-C", str(repo), *argv], capture_output=True, text=True, check=True
+    )
+    return completed.stdout.strip()
+
+
+@pytest.fixture
+def project_history(tmp_path: Path) -> tuple[Path, str]:
+    """A project checkout whose recipe real-lab-1x was changed after the commit returned."""
+    project = tmp_path / "project"
+    recipe = project / "recipes" / "real-lab-1x" / "recipe.toml"
+    recipe.parent.mkdir(parents=True)
+    recipe.write_text(REAL_1X.read_text())
+    git(project, "init", "-q")
+    for key, value in (("user.name", "t"), ("user.email", "t@example.invalid")):
+        git(project, "config", key, value)
+    git(project, "add", ".")
+    git(project, "commit", "-qm", "recipe")
+    before = git(project, "rev-parse", "HEAD")
+    git(project, "tag", "before-change")
+    recipe.write_text(recipe.read_text().replace('"--max-num-seqs", "8"', '"--max-num-seqs", "6"'))
+    git(project, "commit", "-qam", "fewer sequences")
+    return project, before
+
+
+def test_a_side_can_be_the_recipe_at_a_git_revision(
+    cluster: Cluster, tmp_path: Path, project_history: tuple[Path, str]
+) -> None:
+    project, before = project_history
+    prepared = prepare(
+        CompareSide(recipe="real-lab-1x", revision="before-change"),
+        CompareSide(recipe="real-lab-1x"),
+        cluster,
+        "sequential",
+        variants=tmp_path / "variants",
+        root=project,
+    )
+    written = Path(prepared.a.recipe) / "recipe.toml"
+    assert written.parent.name == f"real-lab-1x.{before[:8]}" == prepared.a.recipe_id
+    assert oct(written.stat().st_mode & 0o777) == "0o600"
+    assert written.read_text().endswith(REAL_1X.read_text())  # verbatim, comments too
+    assert prepared.a.description == "real-lab-1x at before-change"
+    assert prepared.a.deployment_id != prepared.b.deployment_id
+    changed = {(d.section, d.key): (d.a, d.b) for d in prepared.diff.differences}
+    assert changed == {("args", "--max-num-seqs"): ("8", "6")}
+    with_override = prepare(
+        CompareSide(recipe="real-lab-1x", revision=before[:10], args=["--max-num-seqs", "2"]),
+        CompareSide(recipe="real-lab-1x"),
+        cluster,
+        "sequential",
+        variants=tmp_path / "variants",
+        root=project,
+    )
+    assert (
+        load_recipe(Path(with_override.a.recipe) / "recipe.toml").vllm_args.value("--max-num-seqs")
+        == "2"
+    )
+
+
+@pytest.mark.parametrize(
+    ("revision", "problem"),
+    [
+        ("no-such-tag", "'no-such-tag' is not a commit, tag or branch of the project's git"),
+        ("--output=/tmp/x", "'--output=/tmp/x' is not a commit, tag or branch"),
+        ("HEAD~1:recipes", "'HEAD~1:recipes' is not a commit, tag or branch"),
+    ],
+)
+def test_a_revision_that_is_no_commit_is_named(
+    cluster: Cluster, tmp_path: Path, project_history: tuple[Path, str], revision: str, problem: str
+) -> None:
+    project, _ = project_history
+    with pytest.raises(CompareError, match=re.escape(f"side A: {problem}")):
+        prepare(
+            CompareSide(recipe="real-lab-1x", revision=revision),
+            CompareSide(recipe="real-lab-1x"),
+            cluster,
+            "sequential",
+            variants=tmp_path / "variants",
+            root=project,
+        )
+    assert not (tmp_path / "variants").exists()
+
+
+def test_a_revision_without_the_recipe_is_named(
+    cluster: Cluster, tmp_path: Path, project_history: tuple[Path, str]
+) -> None:
+    project, _ = project_history
+    other = project / "recipes" / "newer" / "recipe.toml"
+    other.parent.mkdir()
+    other.write_text(REAL_1X.read_text())
+    git(project, "add", ".")
+    git(project, "commit", "-qm", "newer")
+    with pytest.raises(
+        CompareError,
+        match=r"side B: recipes/newer/recipe.toml does not exist at "
+        r"before-change .*git log --oneline -- recipes/newer/recipe.toml",
+    ):
+        prepare(
+            CompareSide(recipe="newer"),
+            CompareSide(recipe="newer", revision="before-change"),
+            cluster,
+            "sequential",
+            variants=tmp_path / "variants",
+            root=project,
+        )
 
 
 def test_overrides_a_recipe_cannot_take_are_named(tmp_path: Path) -> None:

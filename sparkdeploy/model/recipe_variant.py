@@ -7,19 +7,21 @@ any recipe, and it is loaded (every check of sparkdeploy.model.recipe run) befor
 deployed. Its name is X's with a hash of the overrides: the same overrides give the same file
 (written again only when its text changes), a deployment id of its own, and a name a container
 label can carry. It holds what the recipe holds, secrets too, so it is readable by its owner
-alone (0600) and stays off the NAS.
+alone (0600) and stays off the NAS. A side may also be a recipe as a git revision of the project
+holds it (recipe_at_revision): that file, verbatim, as `<X>.<commit>`, overrides applied on top.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from sparkdeploy.errors import CompareError, RecipeError
-from sparkdeploy.model.recipe import Recipe, load_recipe
+from sparkdeploy.model.recipe import Recipe, load_recipe, recipe_id_for
 from sparkdeploy.vllm.args import VllmArgs, canonical_flag, parse_args
 
 
@@ -136,6 +138,69 @@ def write_variant(
         ],
     )
     path = directory / name / "recipe.toml"
+    _write_private(path, text, what=what)
+    try:
+        load_recipe(path)
+    except RecipeError as error:
+        raise CompareError(
+            f"{what}: the overrides {json.dumps(shown)} make recipe {recipe.recipe_id} invalid:"
+            f"\n{error}"
+        ) from None
+    return path
+
+
+def recipe_at_revision(path: Path, revision: str, directory: Path, *, what: str) -> Path:
+    """The recipe file at `path` as a git revision of the project (a commit, tag or branch)
+    holds it, written verbatim under `directory` as `<name>.<commit>` and loaded back; a revision
+    that is not a commit, or whose tree has no such recipe, raises CompareError with the fix."""
+    top = _git(path.parent, ["rev-parse", "--show-toplevel"], what=what)
+    if top is None:
+        raise CompareError(
+            f"{what}: revision {revision!r} asked, but {path.parent} is not in a git checkout; "
+            "run the flow from a clone of the project, or compare recipes by name or path"
+        )
+    inside = path.resolve().relative_to(Path(top).resolve()).as_posix()
+    commit = _git(
+        Path(top),
+        ["rev-parse", "--verify", "--quiet", "--end-of-options", f"{revision}^{{commit}}"],
+        what=what,
+    )
+    if commit is None:
+        raise CompareError(
+            f"{what}: {revision!r} is not a commit, tag or branch of the project's git repository "
+            f"{top}; `git log --oneline -- {inside}` lists the recipe's commits"
+        )
+    text = _git(Path(top), ["show", f"{commit}:{inside}"], what=what)
+    if text is None:
+        raise CompareError(
+            f"{what}: {inside} does not exist at {revision} ({commit[:12]}); "
+            f"`git log --oneline -- {inside}` lists the commits that have it"
+        )
+    header = f"# Written by the compare flow: {inside} as committed at {commit} ({revision}).\n"
+    written = directory / f"{recipe_id_for(path)[:31]}.{commit[:8]}" / "recipe.toml"
+    _write_private(written, header + text + ("" if text.endswith("\n") else "\n"), what=what)
+    try:
+        load_recipe(written)
+    except RecipeError as error:
+        raise CompareError(
+            f"{what}: {inside} at {revision} ({commit[:12]}) is not a valid recipe today:\n{error}"
+        ) from None
+    return written
+
+
+def _git(cwd: Path, argv: Sequence[str], *, what: str) -> str | None:
+    """git's stdout, None when it refuses (not a repository, no such revision or file)."""
+    try:
+        completed = subprocess.run(
+            ["git", "-C", str(cwd), *argv], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise CompareError(f"{what}: cannot run git to read a recipe revision: {error}") from None
+    return completed.stdout.strip("\n") if completed.returncode == 0 else None
+
+
+def _write_private(path: Path, text: str, *, what: str) -> None:
+    """`text` at `path`, readable by its owner alone, written only when it changed."""
     try:
         if not path.exists() or path.read_text() != text:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -148,11 +213,3 @@ def write_variant(
             f"{what}: cannot write the variant recipe {path}: {error}; set "
             f"SPARKDEPLOY_VARIANTS_DIR to a writable directory of the flow host"
         ) from error
-    try:
-        load_recipe(path)
-    except RecipeError as error:
-        raise CompareError(
-            f"{what}: the overrides {json.dumps(shown)} make recipe {recipe.recipe_id} invalid:"
-            f"\n{error}"
-        ) from None
-    return path

@@ -29,7 +29,7 @@ from sparkdeploy.model.plan import make_plan
 from sparkdeploy.model.project import find_recipe
 from sparkdeploy.model.recipe import Recipe, load_recipe
 from sparkdeploy.model.recipe_diff import RecipeDiff, diff_recipes
-from sparkdeploy.model.recipe_variant import write_variant
+from sparkdeploy.model.recipe_variant import recipe_at_revision, write_variant
 from sparkdeploy.model.secrecy import MASK
 from sparkdeploy.report import chart
 from sparkdeploy.report.markdown import markdown_table
@@ -56,6 +56,11 @@ class CompareSide(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     recipe: str = Field(description="A recipe name under recipes/ (or a path to one).")
+    revision: str | None = Field(
+        default=None,
+        description="A git commit, tag or branch of the project: the recipe as committed there "
+        "(default: the recipe as it is now), e.g. the side before a change.",
+    )
     args: list[str] = Field(
         default=[],
         description="vLLM flags that replace the recipe's own or are added, as an argv: "
@@ -94,7 +99,8 @@ class CompareSide(BaseModel):
             parts.append("env " + " ".join(shown))
         if self.docker_image:
             parts.append(f"image {self.docker_image}")
-        return self.recipe + (f" with {'; '.join(parts)}" if parts else "")
+        at = f" at {self.revision}" if self.revision else ""
+        return self.recipe + at + (f" with {'; '.join(parts)}" if parts else "")
 
 
 @dataclass(frozen=True)
@@ -169,8 +175,14 @@ def prepare(
     planned: every input problem is found here, before anything is deployed."""
     loaded = []
     for label, side in (("A", side_a), ("B", side_b)):
-        base = load_recipe(find_recipe(side.recipe, root))
-        argument, recipe = side.recipe, base
+        what = f"side {label}"
+        path = find_recipe(side.recipe, root)
+        argument = side.recipe
+        if side.revision:
+            path = recipe_at_revision(path, side.revision, variants, what=what)
+            argument = str(path.parent)
+        base = load_recipe(path)
+        recipe = base
         if side.has_overrides:
             path = write_variant(
                 base,
@@ -179,7 +191,7 @@ def prepare(
                 drop_args=side.drop_args,
                 env=side.env,
                 docker_image=side.docker_image,
-                what=f"side {label}",
+                what=what,
             )
             argument, recipe = str(path.parent), load_recipe(path)
         loaded.append((label, side, argument, recipe, side.describe(base)))
