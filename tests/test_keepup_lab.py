@@ -5,7 +5,8 @@ actions services; the test harness runs no scheduler) and a process worker:
   next ones only smoke-test, and once the engine is killed the next one redeploys it;
 - the watchdog, on a short schedule, finds a deployment whose engine died after ready
   (recipes/lab-dies-once), its unhealthy event reaches a notification block (a webhook this
-  test listens on) and the repair automation of prefect.yaml, which redeploys it once.
+  test listens on) and the repair automation of prefect.yaml, which redeploys it once;
+- the same chain with real vLLM on two nodes whose worker container is killed.
 The run history of each is printed.
 """
 
@@ -36,6 +37,7 @@ from lab.prefect_local import (
     start_worker,
     stop_worker,
 )
+from lab.vllm_runtime import RealEngine
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.project import load_plan
 from sparkdeploy.remote.ssh import cached_connection, close_cached
@@ -201,12 +203,17 @@ def kill_container(cluster: str, recipe: str) -> None:
     cached_connection(node_target(head)).run(["docker", "kill", head.container.name], timeout=60)
 
 
-def serves(cluster: str, recipe: str) -> bool:
+def healthy_alone(cluster: str, recipe: str) -> bool:
+    """The recipe's deployment is the only one on the cluster and its head is healthy."""
     plan = load_plan(recipe, cluster)
     statuses = cluster_status(load_cluster(Path(cluster)))
-    if [status.deployment_id for status in statuses] != [plan.deployment_id]:
-        return False
-    return statuses[0].healthy and answers_the_canary(plan.endpoint)
+    return [(s.deployment_id, s.healthy) for s in statuses] == [(plan.deployment_id, True)]
+
+
+def serves(cluster: str, recipe: str) -> bool:
+    return healthy_alone(cluster, recipe) and answers_the_canary(
+        load_plan(recipe, cluster).endpoint
+    )
 
 
 def test_a_scheduled_ensure_deploy_is_a_smoke_test_while_it_serves_and_a_repair_when_not(
@@ -241,6 +248,87 @@ def test_a_scheduled_ensure_deploy_is_a_smoke_test_while_it_serves_and_a_repair_
     nothing_runs(cluster)
 
 
+def watch_until_repaired(
+    env: dict[str, str], cluster: str, recipe: str, *, fault: Callable[[], None] | None = None
+) -> tuple[Any, Any, datetime]:
+    """`recipe` deployed through the worker, the watchdog scheduled every few seconds, then
+    `fault` (None: the recipe brings its own); returns the repair run and the first watchdog
+    run that found the deployment down, once a healthy watchdog run follows the repair. The
+    chain's run history is printed; the watchdog's schedule is stopped and the recipe torn
+    down whatever happens."""
+    since = datetime.now().astimezone()
+    watchdog = "smoke/watchdog-test"
+    try:
+        run_prefect(
+            env,
+            "deployment",
+            "run",
+            "deploy/deploy",
+            *("-p", f"recipe={recipe}", "-p", f"cluster={cluster}", "--watch"),
+            *("--watch-timeout", "900"),
+            timeout=960,
+        )
+        register_interval(
+            env,
+            "flows/smoke.py:smoke",
+            "watchdog-test",
+            {"cluster": cluster},
+            interval_s=WATCHDOG_INTERVAL_S,
+            description="The smoke watchdog of the test lab, every few seconds",
+        )
+        if fault is not None:
+            fault()
+
+        def repaired() -> list[Any]:
+            return [
+                run
+                for run in runs_of("deploy/deploy")
+                if "repair" in run.tags and run.state.is_completed() and booted(run)
+            ]
+
+        repair = wait_for("repair run", repaired)[0]
+        wait_for(
+            "healthy watchdog run after the repair",
+            lambda: [
+                run
+                for run in runs_of(watchdog)
+                if run.state.is_completed() and run.start_time > repair.end_time
+            ],
+        )
+        # That watchdog run's smoke test asked the canaries: it answers again.
+        assert healthy_alone(cluster, recipe)
+    finally:
+        stop_schedule(env, watchdog)
+        chain = sorted(runs_of("deploy/deploy") + runs_of(watchdog), key=started)
+        print(f"\nrun history of the recovery of {recipe}:")
+        deploys = {run.id for run in runs_of("deploy/deploy")}
+        for run in chain:
+            if run.start_time is not None and run.start_time < since:
+                continue
+            did = "(booted)" if booted(run) else "(already serving: nothing done)"
+            print(
+                history_line(run, since),
+                did if run.id in deploys and run.state.is_completed() else "",
+            )
+        teardown(recipe, cluster=cluster)
+    # The chain, in order: the deploy, the watchdog run that found it down (the first one after
+    # it died: within one interval), the one repair, a healthy watchdog run.
+    deploys = [run for run in runs_of("deploy/deploy") if started(run) >= since]
+    assert [("repair" in run.tags, run.state.name) for run in deploys if booted(run)] == [
+        (False, "Completed"),
+        (True, "Completed"),
+    ]
+    watched = [
+        run for run in runs_of(watchdog) if not run.state.is_cancelled() and started(run) >= since
+    ]
+    first_down = next(i for i, run in enumerate(watched) if run.state.is_failed())
+    # The run before it found it healthy: it was noticed within one interval of its death.
+    assert all(run.state.is_completed() for run in watched[:first_down])
+    assert watched[first_down].end_time < repair.start_time
+    assert recipe in watched[first_down].state.message
+    return repair, watched[first_down], since
+
+
 def test_the_watchdog_event_and_the_automation_recover_a_deployment_that_died(
     cluster: str, server: PrefectServer
 ) -> None:
@@ -262,73 +350,34 @@ def test_the_watchdog_event_and_the_automation_recover_a_deployment_that_died(
     head = plan.nodes[0]
     # Armed: the fault strikes the first engine started on the node from now on.
     cached_connection(node_target(head)).run(["rm", "-rf", "/root/standin-faults"], timeout=60)
-    since = datetime.now().astimezone()
-    watchdog = "smoke/watchdog-test"
     try:
-        run_prefect(
-            env,
-            "deployment",
-            "run",
-            "deploy/deploy",
-            *("-p", "recipe=lab-dies-once", "-p", f"cluster={cluster}", "--watch"),
-            *("--watch-timeout", "600"),
-            timeout=660,
-        )
-        register_interval(
-            env,
-            "flows/smoke.py:smoke",
-            "watchdog-test",
-            {"cluster": cluster},
-            interval_s=WATCHDOG_INTERVAL_S,
-            description="The smoke watchdog of the test lab, every few seconds",
-        )
-
-        def repaired() -> list[Any]:
-            return [
-                run
-                for run in runs_of("deploy/deploy")
-                if "repair" in run.tags and run.state.is_completed() and booted(run)
-            ]
-
-        repair = wait_for("repair run", repaired)[0]
-        wait_for(
-            "healthy watchdog run after the repair",
-            lambda: [
-                run
-                for run in runs_of(watchdog)
-                if run.state.is_completed() and run.start_time > repair.end_time
-            ],
-        )
-        assert serves(cluster, "lab-dies-once")
+        watch_until_repaired(env, cluster, "lab-dies-once")
         wait_for("notification", lambda: webhook.received)
     finally:
-        stop_schedule(env, watchdog)
         webhook.close()
-        chain = sorted(runs_of("deploy/deploy") + runs_of(watchdog), key=started)
-        print("\nrun history of the recovery:")
-        deploys = {run.id for run in runs_of("deploy/deploy")}
-        for run in chain:
-            did = "(booted)" if booted(run) else "(already serving: nothing done)"
-            print(
-                history_line(run, since),
-                did if run.id in deploys and run.state.is_completed() else "",
-            )
-        teardown("lab-dies-once", cluster=cluster)
-    # The chain, in order: the deploy, the watchdog run that found it down (the first one after
-    # it died: within one interval), the one repair, a healthy watchdog run.
-    deploys = runs_of("deploy/deploy")
-    assert [("repair" in run.tags, run.state.name) for run in deploys if booted(run)] == [
-        (False, "Completed"),
-        (True, "Completed"),
-    ]
-    watched = [run for run in runs_of(watchdog) if not run.state.is_cancelled()]
-    first_down = next(i for i, run in enumerate(watched) if run.state.is_failed())
-    # The run before it found it healthy: it was noticed within one interval of its death.
-    assert all(run.state.is_completed() for run in watched[:first_down])
-    assert watched[first_down].end_time < repair.start_time
-    assert "lab-dies-once" in watched[first_down].state.message
     [notified, *_] = webhook.received
     print("notification:", json.dumps(notified, indent=2))
     assert plan.deployment_id in notified["subject"]
     assert "Cause (" in notified["body"] and "node1" in notified["body"]
+    nothing_runs(cluster)
+
+
+@pytest.mark.real_engine
+def test_the_chain_recovers_a_real_engine_whose_worker_was_killed(
+    cluster: str, server: PrefectServer, real_engine: RealEngine
+) -> None:
+    """Real vLLM on two nodes: node2's worker container killed; the head's /health stays 200,
+    the watchdog's real requests find it, name node2, and the repair redeploys it."""
+    plan = load_plan("real-lab-2x", cluster)
+    worker = plan.nodes[1]
+
+    def kill_the_worker() -> None:
+        cached_connection(node_target(worker)).run(
+            ["docker", "kill", worker.container.name], timeout=60
+        )
+
+    _, found_down, _ = watch_until_repaired(
+        server.env(), cluster, "real-lab-2x", fault=kill_the_worker
+    )
+    assert "node2" in found_down.state.message, found_down.state.message
     nothing_runs(cluster)
