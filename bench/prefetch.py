@@ -48,7 +48,8 @@ sys.path[:1] = [str(REPO_ROOT)]
 from bench.cpu import CpuUsage, measured  # noqa: E402
 from lab.hub import HubControl  # noqa: E402
 from lab.tinymodel import generate_repo  # noqa: E402
-from sparkdeploy.steps.prefetch import HubAccess, RepoSpec, human_bytes, prefetch  # noqa: E402
+from sparkdeploy.steps.prefetch import HubAccess, RepoSpec, prefetch  # noqa: E402
+from sparkdeploy.units import human_bytes  # noqa: E402
 
 REPO = "bench-org/big"
 READ_CHUNK = 1 << 20

@@ -3,7 +3,8 @@
 The smoke test (sparkdeploy.steps.smoke_test) asks fixed questions at temperature 0 and checks the
 answers. This module trains, deterministically and in well under a minute on two CPU cores, a
 2-layer LlamaForCausalLM with its own byte-level BPE tokenizer to answer exactly those prompts
-(imported from sparkdeploy.steps.smoke_test, so they cannot drift apart) and then stop with EOS:
+(imported from sparkdeploy.steps.smoke_test.prompts, so they cannot drift apart) and then stop
+with EOS:
 
     the three canaries     -> their expected answers ("5461", "55", "ycarucca")
     LONG_PROMPT            -> "5461"
@@ -43,7 +44,9 @@ from lab.tinymodel import GeneratedRepo, repo_staging
 from sparkdeploy.errors import LabError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-SMOKE_SOURCE = PROJECT_ROOT / "sparkdeploy" / "steps" / "smoke_test.py"
+# Part of the trained model's key: the module of the smoke prompts and their answers alone, so
+# a change to the smoke test's checks or detectors does not retrain the model.
+SMOKE_SOURCE = PROJECT_ROOT / "sparkdeploy" / "steps" / "smoke_test" / "prompts.py"
 CHAT_MODEL_REPO = "lab/tiny-llama-chat"
 
 STREAM_ANSWER = (
@@ -101,7 +104,7 @@ _EXTRA_CORPUS = (
 
 # ---------------------------------------------------------------------------------------------
 # What the model must answer (runtime and host side: standard library and
-# sparkdeploy.steps.smoke_test)
+# sparkdeploy.steps.smoke_test's prompts and detectors)
 
 
 @dataclass(frozen=True)
@@ -113,30 +116,30 @@ class Lesson:
 
 def lessons() -> tuple[Lesson, ...]:
     """Every smoke prompt without tools or reasoning, with the answer the model must give."""
-    from sparkdeploy.steps import smoke_test as smoke
+    from sparkdeploy.steps.smoke_test import prompts
 
     return (
-        *(Lesson(canary.name, canary.prompt, canary.expected) for canary in smoke.CANARIES),
-        Lesson("long_prompt", smoke.LONG_PROMPT, smoke.CANARIES[0].expected),
-        Lesson("streaming", smoke.STREAM_PROMPT, STREAM_ANSWER),
-        Lesson("exact_copy", smoke.COPY_PROMPT, smoke.COPY_SENTENCE),
+        *(Lesson(canary.name, canary.prompt, canary.expected) for canary in prompts.CANARIES),
+        Lesson("long_prompt", prompts.LONG_PROMPT, prompts.CANARIES[0].expected),
+        Lesson("streaming", prompts.STREAM_PROMPT, STREAM_ANSWER),
+        Lesson("exact_copy", prompts.COPY_PROMPT, prompts.COPY_SENTENCE),
     )
 
 
 def answer_problem(lesson: Lesson, text: str) -> str | None:
     """Why `text` would fail the smoke check of `lesson`, or None (the smoke's own detectors)."""
-    from sparkdeploy.steps import smoke_test as smoke
+    from sparkdeploy.steps.smoke_test import detectors, prompts
 
     if text != lesson.answer:
         return f"expected {lesson.answer!r}, got {text!r}"
-    canary = {c.name: c for c in smoke.CANARIES}.get(lesson.name)
+    canary = {c.name: c for c in prompts.CANARIES}.get(lesson.name)
     if lesson.name == "long_prompt":
-        canary = smoke.CANARIES[0]
+        canary = prompts.CANARIES[0]
     if canary is not None and not canary.is_answer(text):
         return f"the smoke check does not accept {text!r} as {canary.expected}"
-    if lesson.name == "exact_copy" and smoke.copy_mismatches(smoke.COPY_SENTENCE, text):
+    if lesson.name == "exact_copy" and detectors.copy_mismatches(prompts.COPY_SENTENCE, text):
         return f"the copy check finds changes in {text!r}"
-    return smoke.detect_repetition(text) or smoke.detect_garbled(text)
+    return detectors.detect_repetition(text) or detectors.detect_garbled(text)
 
 
 # ---------------------------------------------------------------------------------------------

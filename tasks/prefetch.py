@@ -32,9 +32,9 @@ from sparkdeploy.steps.prefetch import (
     Progress,
     RepoLike,
     RepoOutcome,
-    human_bytes,
     prefetch,
 )
+from sparkdeploy.units import human_bytes
 from tasks.common import retry_only
 
 PROGRESS_ARTIFACT_KEY = "prefetch-progress"

@@ -23,7 +23,7 @@ from lab.chat_model import (
 from lab.hub import RepoIndex
 from lab.vllm_runtime import model_cache_dir
 from sparkdeploy.errors import LabError
-from sparkdeploy.steps import smoke_test as smoke
+from sparkdeploy.steps.smoke_test import prompts
 
 RUNTIME_VERSION = "3.11.2 torch==test transformers==test"
 
@@ -43,20 +43,21 @@ def _fake_model(model_dir: Path) -> None:
 
 def test_lessons_are_the_smoke_prompts_and_their_answers_pass_the_smoke() -> None:
     taught = {lesson.name: lesson for lesson in lessons()}
-    for canary in smoke.CANARIES:
+    for canary in prompts.CANARIES:
         assert taught[canary.name].prompt == canary.prompt
         assert canary.is_answer(taught[canary.name].answer)
-    assert taught["long_prompt"].prompt == smoke.LONG_PROMPT
-    assert taught["streaming"].prompt == smoke.STREAM_PROMPT
-    assert taught["exact_copy"].answer == smoke.COPY_SENTENCE
+    assert taught["long_prompt"].prompt == prompts.LONG_PROMPT
+    assert taught["streaming"].prompt == prompts.STREAM_PROMPT
+    assert taught["exact_copy"].answer == prompts.COPY_SENTENCE
     for lesson in taught.values():
         assert chat_model.answer_problem(lesson, lesson.answer) is None, lesson.name
     assert chat_model.answer_problem(taught["exact_copy"], "The keeper polished") is not None
 
 
 def test_fingerprint_changes_with_the_smoke_prompts_and_the_runtime(tmp_path: Path) -> None:
-    edited = tmp_path / "smoke.py"
+    edited = tmp_path / "prompts.py"
     edited.write_text(SMOKE_SOURCE.read_text().replace("What is 127*43?", "What is 127*44?"))
+    assert Path(prompts.__file__) == SMOKE_SOURCE
     here = Path(chat_model.__file__)
     base = chat_model_fingerprint(RUNTIME_VERSION)
     assert base == chat_model_fingerprint(RUNTIME_VERSION, (here, SMOKE_SOURCE))

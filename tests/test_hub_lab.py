@@ -17,6 +17,7 @@ from lab.hub import HUB, STORAGE, HubControl, fingerprint
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
 from sparkdeploy.steps import prefetch as pf
+from sparkdeploy.steps.prefetch.cache import MANIFEST_DIRNAME, storage_dir
 
 pytestmark = pytest.mark.lab
 
@@ -49,7 +50,7 @@ def lab_hub(lab_cluster: Lab) -> Iterator[HubControl]:
         shutil.rmtree(repos / "lab-hubtest", ignore_errors=True)
         for repo in (GATED, OPEN):
             (repos / f"{repo}.gated").unlink(missing_ok=True)
-            shutil.rmtree(pf.storage_dir(nas_cache(lab_cluster), repo), ignore_errors=True)
+            shutil.rmtree(storage_dir(nas_cache(lab_cluster), repo), ignore_errors=True)
 
 
 @pytest.fixture
@@ -59,7 +60,7 @@ def hub(lab_hub: HubControl, lab_cluster: Lab) -> HubControl:
     lab_hub.set_faults(reset=True)
     lab_hub.reset_stats()
     for repo in (GATED, OPEN):
-        shutil.rmtree(pf.storage_dir(nas_cache(lab_cluster), repo), ignore_errors=True)
+        shutil.rmtree(storage_dir(nas_cache(lab_cluster), repo), ignore_errors=True)
     return lab_hub
 
 
@@ -90,8 +91,8 @@ def matches_the_hub(lab: Lab, outcome: pf.RepoOutcome) -> bool:
 def nothing_complete_left(lab: Lab, repo: str) -> bool:
     """No manifest, blob or snapshot entry of the repo in the NAS: nothing a later step could
     take for a complete file."""
-    storage = pf.storage_dir(nas_cache(lab), repo)
-    manifests = list((storage / pf.MANIFEST_DIRNAME).glob("*.json"))
+    storage = storage_dir(nas_cache(lab), repo)
+    manifests = list((storage / MANIFEST_DIRNAME).glob("*.json"))
     blobs = [p for p in (storage / "blobs").glob("*") if p.is_file()]
     return not manifests and not blobs and not (storage / "snapshots").exists()
 

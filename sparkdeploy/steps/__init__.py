@@ -1,1 +1,1 @@
-"""The pipeline's steps, each module named as its Prefect task."""
+"""The pipeline's steps, each module or package named as its Prefect task."""

@@ -1,15 +1,11 @@
-"""Smoke detectors on literal texts, and the report's verdict and table."""
+"""sparkdeploy.steps.smoke_test.detectors on literal texts: healthy ones raise no finding, loops,
+garbled text and a copy with changes are named."""
 
 from __future__ import annotations
 
 import pytest
 
-from sparkdeploy.errors import SmokeFailed
-from sparkdeploy.steps.smoke_test import (
-    CANARIES,
-    COPY_SENTENCE,
-    SmokeCheck,
-    SmokeReport,
+from sparkdeploy.steps.smoke_test.detectors import (
     copied_share,
     copy_mismatches,
     detect_garbled,
@@ -19,6 +15,7 @@ from sparkdeploy.steps.smoke_test import (
     odd_word_reason,
     repeated_ngram_ratio,
 )
+from sparkdeploy.steps.smoke_test.prompts import COPY_SENTENCE
 
 GOOD_PROSE = (
     "A lighthouse helps ships at night by shining a powerful beam of light that sailors can see "
@@ -141,43 +138,5 @@ def test_copied_share_tells_a_copy_with_typos_from_no_copy() -> None:
     assert copied_share(COPY_SENTENCE, "You asked about repeat, following, sentence.") < 0.5
 
 
-@pytest.mark.parametrize(
-    ("name", "reply", "right"),
-    [
-        ("canary_multiply", "127 * 43 = 5461.", True),
-        ("canary_multiply", "5,461", True),
-        ("canary_multiply", "127 * 43 = 5451.", False),
-        ("canary_fibonacci", "Fib(10) = 55.", True),
-        ("canary_fibonacci", "The answer is 89.", False),
-        ("canary_reverse", '"accuracy" reversed is "ycarucca".', True),
-        ("canary_reverse", "yacurcca", False),
-    ],
-)
-def test_canary_answers(name: str, reply: str, right: bool) -> None:
-    canary = next(canary for canary in CANARIES if canary.name == name)
-    assert canary.is_answer(reply) is right
-
-
 def test_numbers_in_drops_thousands_separators() -> None:
     assert numbers_in("1,164,369 tokens and -3") == ["1164369", "-3"]
-
-
-def test_one_failed_check_fails_the_report_and_names_it() -> None:
-    report = SmokeReport(
-        "http://127.0.0.1:1",
-        "dsv41",
-        [
-            SmokeCheck("canary_multiply", True, "answered '5461'", {"seconds": 0.25}),
-            SmokeCheck("burst", False, "request 3 of 8 went bad", {"requests": 8.0, "good": 2.0}),
-        ],
-    )
-    assert not report.passed and [check.name for check in report.failed] == ["burst"]
-    assert report.table_rows()[1] == {
-        "check": "burst",
-        "result": "FAIL",
-        "evidence": "request 3 of 8 went bad",
-        "figures": "requests=8, good=2",
-    }
-    with pytest.raises(SmokeFailed, match="burst: request 3 of 8 went bad"):
-        report.raise_if_failed()
-    SmokeReport("u", "n", report.checks[:1]).raise_if_failed()
