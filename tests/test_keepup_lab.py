@@ -133,6 +133,12 @@ def runs_of(deployment: str) -> list[Any]:
     )
 
 
+def runs_since(deployment: str, since: datetime) -> list[Any]:
+    """The deployment's runs that started (or were due) at `since` or later: this test's, not
+    an earlier test's on the same server."""
+    return [run for run in runs_of(deployment) if started(run) >= since]
+
+
 def started(run: Any) -> datetime:
     """When the run started, or was due to (a cancelled one never started)."""
     moment: datetime = run.start_time or run.expected_start_time
@@ -282,7 +288,7 @@ def watch_until_repaired(
         def repaired() -> list[Any]:
             return [
                 run
-                for run in runs_of("deploy/deploy")
+                for run in runs_since("deploy/deploy", since)
                 if "repair" in run.tags and run.state.is_completed() and booted(run)
             ]
 
@@ -291,7 +297,7 @@ def watch_until_repaired(
             "healthy watchdog run after the repair",
             lambda: [
                 run
-                for run in runs_of(watchdog)
+                for run in runs_since(watchdog, since)
                 if run.state.is_completed() and run.start_time > repair.end_time
             ],
         )
@@ -299,12 +305,12 @@ def watch_until_repaired(
         assert healthy_alone(cluster, recipe)
     finally:
         stop_schedule(env, watchdog)
-        chain = sorted(runs_of("deploy/deploy") + runs_of(watchdog), key=started)
+        chain = sorted(
+            runs_since("deploy/deploy", since) + runs_since(watchdog, since), key=started
+        )
         print(f"\nrun history of the recovery of {recipe}:")
         deploys = {run.id for run in runs_of("deploy/deploy")}
         for run in chain:
-            if run.start_time is not None and run.start_time < since:
-                continue
             did = "(booted)" if booted(run) else "(already serving: nothing done)"
             print(
                 history_line(run, since),
@@ -313,14 +319,12 @@ def watch_until_repaired(
         teardown(recipe, cluster=cluster)
     # The chain, in order: the deploy, the watchdog run that found it down (the first one after
     # it died: within one interval), the one repair, a healthy watchdog run.
-    deploys = [run for run in runs_of("deploy/deploy") if started(run) >= since]
+    deploys = runs_since("deploy/deploy", since)
     assert [("repair" in run.tags, run.state.name) for run in deploys if booted(run)] == [
         (False, "Completed"),
         (True, "Completed"),
     ]
-    watched = [
-        run for run in runs_of(watchdog) if not run.state.is_cancelled() and started(run) >= since
-    ]
+    watched = [run for run in runs_since(watchdog, since) if not run.state.is_cancelled()]
     first_down = next(i for i, run in enumerate(watched) if run.state.is_failed())
     # The run before it found it healthy: it was noticed within one interval of its death.
     assert all(run.state.is_completed() for run in watched[:first_down])
