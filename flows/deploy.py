@@ -33,7 +33,7 @@ from tasks.image import ensure_images
 from tasks.plan import plan_deployment
 from tasks.prefetch import prefetch_repos
 from tasks.readiness_gate import readiness_gate
-from tasks.repair_budget import start_repair
+from tasks.repair_budget import refund_repair, start_repair
 from tasks.replace import commit, find_replacement, retire_replaced
 from tasks.runlabels import label_flow_run
 from tasks.running_copy import check_running_copy
@@ -198,6 +198,8 @@ def deploy(
                 if now.made_to_serve_since(running):
                     if replacement.replacing:
                         commit(plan, replacement)
+                    if repair_cause is not None:
+                        refund_repair(plan)
                     return _already_serving(
                         plan, now, clock, "another deploy redeployed it while this one waited"
                     )

@@ -16,7 +16,13 @@ from prefect.runtime import flow_run
 
 from sparkdeploy.errors import RepairLimitReached
 from sparkdeploy.model.plan import Plan
-from sparkdeploy.steps.repair_budget import REPAIR_TAG, WINDOW, EarlierRepair, repair_refusal
+from sparkdeploy.steps.repair_budget import (
+    REPAIR_NOT_NEEDED_TAG,
+    REPAIR_TAG,
+    WINDOW,
+    EarlierRepair,
+    repair_refusal,
+)
 from tasks.runlabels import deployment_tag, tag_flow_run
 
 
@@ -48,4 +54,16 @@ def start_repair(plan: Plan, cause: str, *, per_hour: int) -> None:
         len(earlier) + 1,
         per_hour,
         cause,
+    )
+
+
+@task(name="repair-budget-refund", task_run_name="repair-budget-refund {plan.deployment_id}")
+def refund_repair(plan: Plan) -> None:
+    """This repair found the deployment serving again (another repair, started by an earlier
+    event of the same failure, redeployed it while this one waited for the nodes): it did
+    nothing, so it does not count against the hourly bound."""
+    tag_flow_run(REPAIR_NOT_NEEDED_TAG, untag=(REPAIR_TAG,))
+    get_run_logger().info(
+        "%s was redeployed while this repair waited: this run does not count as a repair",
+        plan.deployment_id,
     )

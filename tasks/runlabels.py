@@ -23,16 +23,15 @@ def run_tags(plan: Plan) -> list[str]:
     ]
 
 
-def _update_current(name: str | None, tags: list[str]) -> None:
+def _update_current(name: str | None, tags: list[str], untag: list[str] | None = None) -> None:
     current_id = flow_run.get_id()
     if current_id is None:
         return
     run_id = UUID(current_id)
     with get_client(sync_client=True) as client:
         current = client.read_flow_run(run_id)
-        client.update_flow_run(
-            run_id, name=name or current.name, tags=sorted({*(current.tags or []), *tags})
-        )
+        kept = {*(current.tags or []), *tags} - set(untag or ())
+        client.update_flow_run(run_id, name=name or current.name, tags=sorted(kept))
 
 
 def label_flow_run(plan: Plan, verb: str = "deploy") -> None:
@@ -41,6 +40,6 @@ def label_flow_run(plan: Plan, verb: str = "deploy") -> None:
     _update_current(f"{verb} {plan.recipe} on {plan.cluster} [{nodes}]", run_tags(plan))
 
 
-def tag_flow_run(*tags: str) -> None:
-    """Add tags to the current flow run."""
-    _update_current(None, list(tags))
+def tag_flow_run(*tags: str, untag: tuple[str, ...] = ()) -> None:
+    """Add tags to the current flow run (and take `untag` off it)."""
+    _update_current(None, list(tags), list(untag))

@@ -5,7 +5,8 @@ Prefect's automations fire on every matching event and have no cool-down of thei
 (docs/field.md#prefect-transactions-events-automations), so the bound is kept by the repair
 runs themselves: a repair run counts the earlier repair runs of the same deployment that started
 within the past hour (their flow runs carry the `repair` tag) and is refused once the bound is
-reached.
+reached. Two events of one failure start two repairs; the second waits for the nodes, finds
+the deployment serving again and gives its tag back (`repair-not-needed`): it did nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 REPAIR_TAG = "repair"
+# A repair that found the deployment already redeployed (by a repair of an earlier event) and
+# did nothing: it does not count.
+REPAIR_NOT_NEEDED_TAG = "repair-not-needed"
 WINDOW = timedelta(hours=1)
 
 
