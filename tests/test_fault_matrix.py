@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pytest
 from lab_flows import FAULT_MATRIX_TABLE, flow_process, nothing_runs, recipe_variant
@@ -1378,7 +1379,9 @@ def wait_for_state(flow_run_id: str, timeout_s: float = 120.0) -> Any:
 
     with get_client(sync_client=True) as client:
         deadline = time.monotonic() + timeout_s
-        while (state := client.read_flow_run(flow_run_id).state) is None or not state.is_final():
+        while (
+            state := client.read_flow_run(UUID(flow_run_id)).state
+        ) is None or not state.is_final():
             assert time.monotonic() < deadline, f"flow run {flow_run_id} still {state}"
             time.sleep(0.5)
     return state

@@ -319,8 +319,8 @@ def watch_until_repaired(
         teardown(recipe, cluster=cluster)
     # The chain, in order: the deploy, the watchdog run that found it down (the first one after
     # it died: within one interval), the one repair, a healthy watchdog run.
-    deploys = runs_since("deploy/deploy", since)
-    assert [("repair" in run.tags, run.state.name) for run in deploys if booted(run)] == [
+    chain_deploys = runs_since("deploy/deploy", since)
+    assert [("repair" in run.tags, run.state.name) for run in chain_deploys if booted(run)] == [
         (False, "Completed"),
         (True, "Completed"),
     ]

@@ -62,7 +62,7 @@ def ask(endpoint: str, model: str, prompt: str) -> str:
 def docker_on(cluster: str, node: str, *argv: str) -> str:
     plan_node = next(n for n in load_plan("real-lab-2x", cluster).nodes if n.node == node)
     result = cached_connection(node_target(plan_node)).run(["docker", *argv], timeout=60)
-    return result.stdout
+    return result.stdout.decode()
 
 
 def test_two_nodes_deploy_through_prefect_and_a_killed_worker_is_named(

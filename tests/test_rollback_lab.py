@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 from lab_flows import (
@@ -145,7 +146,9 @@ def test_a_replacement_killed_mid_way_is_finished_by_the_next_run(
         assert pid is not None, "no flow process of the run under the worker"
         os.kill(pid, signal.SIGKILL)
         with get_client(sync_client=True) as client:
-            while (state := client.read_flow_run(run_id).state) is None or not state.is_final():
+            while (
+                state := client.read_flow_run(UUID(str(run_id))).state
+            ) is None or not state.is_final():
                 assert time.monotonic() < deadline, f"still {state} after the kill"
                 time.sleep(1)
         print(f"the killed run ended {state.name}")
