@@ -19,8 +19,8 @@ from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.plan import NodePlan, Plan
 from sparkdeploy.model.project import find_recipe, load_plan
 from sparkdeploy.model.recipe import load_recipe, recipe_paths
-from sparkdeploy.model.recipe_diff import diff_recipes
-from sparkdeploy.model.secrecy import MASK
+from sparkdeploy.report.recipe_diff import diff_recipes
+from sparkdeploy.secrecy import MASK
 from sparkdeploy.steps.fit import fit_report
 from sparkdeploy.vllm.args import is_flag
 

@@ -342,14 +342,15 @@ def test_metrics_carry_the_real_engines_names_and_count_what_was_served(
 ) -> None:
     """Every vllm:* sample name the stand-in exports is on the real vLLM 0.32 page
     (tests/fixtures/vllm-0.32-cpu/metrics.txt), and the figures we read count the requests."""
+    from sparkdeploy.remote.engine_http import scrape_metrics
     from sparkdeploy.steps.smoke_test import SmokeSettings, chat_stream
-    from sparkdeploy.vllm.metrics import parse_metrics, parse_samples, scrape
+    from sparkdeploy.vllm.metrics import parse_metrics, parse_samples
 
     engine = engines.start("--served-model-name", "tiny", "--block-size", "16")
     engine.wait_ready()
     real = REPO_ROOT / "tests" / "fixtures" / "vllm-0.32-cpu" / "metrics.txt"
     real_names = {sample.name for sample in parse_samples(real.read_text())}
-    before = scrape(engine.url(""))
+    before = scrape_metrics(engine.url(""))
     assert before.metrics is not None and before.metrics.missing == ()
     settings = SmokeSettings(engine.url(""), "tiny", max_tokens=12, extra_body={"ignore_eos": True})
     prompt = " ".join(f"word{index}" for index in range(40))  # 46 tokens with the template's

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from sparkdeploy.cli import app
 from sparkdeploy.model.recipe import load_recipe
-from sparkdeploy.model.recipe_diff import diff_recipes, engine_flags
+from sparkdeploy.report.recipe_diff import diff_recipes, engine_flags
 
 ROOT = Path(__file__).parent.parent
 runner = CliRunner()

@@ -18,8 +18,8 @@ from sparkdeploy.errors import BootError, RecipeError
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.plan import Plan, make_plan
 from sparkdeploy.model.recipe import load_recipe
-from sparkdeploy.model.secrecy import is_secret_name, redact
 from sparkdeploy.remote.ssh import CommandResult
+from sparkdeploy.secrecy import is_secret_name, redact
 from sparkdeploy.steps import boot
 
 ROOT = Path(__file__).parent.parent

@@ -20,7 +20,7 @@ from sparkdeploy.errors import PlanError, RecipeError
 from sparkdeploy.model.cluster import Cluster, GidIndex, Node, RoceHcas
 from sparkdeploy.model.memory import EngineMemory, FitReport, NodeMemory, read_memory_flags
 from sparkdeploy.model.recipe import MarkerSpec, Recipe, RepoRef, SmokeOptions
-from sparkdeploy.model.secrecy import API_KEY_ENV, API_KEY_FLAG, Secret
+from sparkdeploy.secrecy import API_KEY_ENV, API_KEY_FLAG, Secret
 from sparkdeploy.vllm.markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
 
 __all__ = [
@@ -62,7 +62,7 @@ class ContainerSpec(_Data):
     entrypoint: list[str]  # empty: the image's own entrypoint
     command: list[str]  # argv after the entrypoint
     env: dict[str, str]
-    secret_env: dict[str, Secret]  # through an env file, never the argv (sparkdeploy.model.secrecy)
+    secret_env: dict[str, Secret]  # through an env file, never the argv (sparkdeploy.secrecy)
     labels: dict[str, str]
     mounts: list[Mount]
     network_host: bool
@@ -253,7 +253,7 @@ def _node_env(
     recipe: Recipe, cluster: Cluster, node: Node, hf_cache: str
 ) -> tuple[dict[str, str], dict[str, SecretStr]]:
     """Profile, then the recipe's own env, then what only this node knows; split into the
-    plain env and the secret one (sparkdeploy.model.secrecy)."""
+    plain env and the secret one (sparkdeploy.secrecy)."""
     env = dict(cluster.nccl.get(recipe.nccl_profile or "", {}))
     env.update(recipe.env)
     if recipe.api_key is not None:

@@ -16,13 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from sparkdeploy.errors import RecipeError
 from sparkdeploy.model.memory import read_memory_flags
-from sparkdeploy.model.secrecy import (
+from sparkdeploy.model.tomlfile import KeyPath, format_key, load_toml, validate_document
+from sparkdeploy.secrecy import (
     API_KEY_ENV,
     API_KEY_FLAG,
     is_secret_name,
     unsafe_value_problem,
 )
-from sparkdeploy.model.tomlfile import KeyPath, format_key, load_toml, validate_document
 from sparkdeploy.vllm.args import VllmArgs, normalise_args, parse_args
 
 DEFAULT_API_PORT = 8000

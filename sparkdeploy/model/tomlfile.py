@@ -22,7 +22,7 @@ from typing import Annotated, Any, Generic, TypeVar
 import pydantic
 
 from sparkdeploy.errors import SparkDeployError
-from sparkdeploy.model.secrecy import MASK, is_secret_name
+from sparkdeploy.secrecy import MASK, is_secret_name
 
 KeyPath = tuple[str | int, ...]
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)

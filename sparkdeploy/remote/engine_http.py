@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 from pydantic import SecretStr
 
+from sparkdeploy.vllm.metrics import EngineMetrics, parse_metrics
+
 
 @dataclass(frozen=True)
 class HttpReply:
@@ -109,3 +111,25 @@ def stream_events(
             yield time.monotonic(), json.loads(data)
     finally:
         connection.close()
+
+
+SCRAPE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Scrape:
+    metrics: EngineMetrics | None
+    error: str | None = None  # why there are no metrics (refused, HTTP status)
+
+
+def scrape_metrics(base_url: str, *, timeout: float = SCRAPE_TIMEOUT_S) -> Scrape:
+    """GET /metrics (open even where /v1 needs an API key, as in vLLM 0.32's
+    AuthenticationMiddleware); a failure is a Scrape with its error, never an exception."""
+    url = base_url.rstrip("/") + "/metrics"
+    try:
+        reply = request("GET", url, timeout=timeout)
+    except (OSError, http.client.HTTPException) as error:
+        return Scrape(None, f"GET {url}: {type(error).__name__}: {error}")
+    if reply.status != 200:
+        return Scrape(None, f"GET {url}: HTTP {reply.status}")
+    return Scrape(parse_metrics(reply.body.decode(errors="replace")))

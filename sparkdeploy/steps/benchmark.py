@@ -37,6 +37,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sparkdeploy.errors import BenchmarkError
+from sparkdeploy.remote import engine_http
 from sparkdeploy.report import chart
 from sparkdeploy.report.markdown import markdown_table
 from sparkdeploy.steps.smoke_test import (
@@ -488,7 +489,7 @@ def run_level(
     settings: SmokeSettings, prompt: PromptSize, concurrency: int, requests: int, repeat: int
 ) -> LevelRun:
     """`requests` streamed requests, `concurrency` in flight; /metrics read around them."""
-    before = engine_metrics.scrape(settings.base_url)
+    before = engine_http.scrape_metrics(settings.base_url)
     started = time.monotonic()
 
     def one(index: int) -> RequestSample:
@@ -501,7 +502,7 @@ def run_level(
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="bench") as pool:
         samples = tuple(pool.map(one, range(max(requests, concurrency))))
     wall = time.monotonic() - started
-    after = engine_metrics.scrape(settings.base_url)
+    after = engine_http.scrape_metrics(settings.base_url)
     engine = None
     if before.metrics is not None and after.metrics is not None:
         engine = after.metrics.minus(before.metrics)

@@ -33,7 +33,6 @@ from typing import Any
 from sparkdeploy.errors import BootError
 from sparkdeploy.model.labels import DEPLOYMENT_LABEL, label_problems
 from sparkdeploy.model.plan import NodePlan, Plan
-from sparkdeploy.model.secrecy import redact
 from sparkdeploy.remote.docker_cli import (
     ContainerInfo,
     Log,
@@ -47,6 +46,7 @@ from sparkdeploy.remote.docker_cli import (
 )
 from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.secrecy import redact
 from sparkdeploy.steps.teardown import RemovedContainer, remove_labelled
 
 GIB = 1024**3

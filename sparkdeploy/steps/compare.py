@@ -28,11 +28,11 @@ from sparkdeploy.model.cluster import Cluster
 from sparkdeploy.model.plan import make_plan
 from sparkdeploy.model.project import find_recipe
 from sparkdeploy.model.recipe import Recipe, load_recipe
-from sparkdeploy.model.recipe_diff import RecipeDiff, diff_recipes
 from sparkdeploy.model.recipe_variant import recipe_at_revision, write_variant
-from sparkdeploy.model.secrecy import MASK
 from sparkdeploy.report import chart
 from sparkdeploy.report.markdown import markdown_table
+from sparkdeploy.report.recipe_diff import RecipeDiff, diff_recipes
+from sparkdeploy.secrecy import MASK
 from sparkdeploy.steps.benchmark import (
     FIGURES,
     BenchmarkResult,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkdeploy.errors import RecipeError
-from sparkdeploy.model.secrecy import API_KEY_FLAG, MASK
+from sparkdeploy.secrecy import API_KEY_FLAG, MASK
 
 JSON_FLAGS = frozenset(
     {

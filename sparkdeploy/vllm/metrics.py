@@ -22,13 +22,10 @@ logger (`--disable-log-stats`) still answers /metrics, without these names: they
 
 from __future__ import annotations
 
-import http.client
 import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-
-from sparkdeploy.remote import engine_http
 
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
@@ -48,7 +45,6 @@ COUNTERS = (
     PREEMPTIONS,
 )
 HISTOGRAMS = (TTFT, ITL, E2E)
-SCRAPE_TIMEOUT_S = 10.0
 
 # `name{label="value",...} value [timestamp]` (the Prometheus text exposition format,
 # https://prometheus.io/docs/instrumenting/exposition_formats/); label values may hold escaped
@@ -220,25 +216,6 @@ def parse_metrics(text: str) -> EngineMetrics:
         e2e=histograms[E2E] or Histogram(),
         missing=tuple(missing),
     )
-
-
-@dataclass(frozen=True)
-class Scrape:
-    metrics: EngineMetrics | None
-    error: str | None = None  # why there are no metrics (refused, HTTP status)
-
-
-def scrape(base_url: str, *, timeout: float = SCRAPE_TIMEOUT_S) -> Scrape:
-    """GET /metrics (open even where /v1 needs an API key, as in vLLM 0.32's
-    AuthenticationMiddleware); a failure is a Scrape with its error, never an exception."""
-    url = base_url.rstrip("/") + "/metrics"
-    try:
-        reply = engine_http.request("GET", url, timeout=timeout)
-    except (OSError, http.client.HTTPException) as error:
-        return Scrape(None, f"GET {url}: {type(error).__name__}: {error}")
-    if reply.status != 200:
-        return Scrape(None, f"GET {url}: HTTP {reply.status}")
-    return Scrape(parse_metrics(reply.body.decode(errors="replace")))
 
 
 @dataclass(frozen=True)

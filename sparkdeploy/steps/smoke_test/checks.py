@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Sequence
 
+from sparkdeploy.remote import engine_http
 from sparkdeploy.steps.smoke_test.client import (
     Reply,
     SmokeSettings,
@@ -248,7 +249,7 @@ def run_smoke(settings: SmokeSettings) -> SmokeReport:
     """Every check against the endpoint; never raises for a bad engine (see raise_if_failed)."""
     checks: list[SmokeCheck] = []
     replies: list[Reply] = []
-    before = engine_metrics.scrape(settings.base_url)
+    before = engine_http.scrape_metrics(settings.base_url)
 
     canary_replies = [chat(settings, canary.name, canary.prompt) for canary in CANARIES]
     checks += [_canary_check(c, r) for c, r in zip(CANARIES, canary_replies, strict=True)]
@@ -282,7 +283,7 @@ def run_smoke(settings: SmokeSettings) -> SmokeReport:
     checks.append(_detector_check("no_token_loops", replies, _loop_in))
     checks.append(_detector_check("no_garbled_text", replies, _garbled_in))
     checks.append(_detector_check("no_empty_content", replies, _empty_in))
-    after = engine_metrics.scrape(settings.base_url)
+    after = engine_http.scrape_metrics(settings.base_url)
     if before.metrics is None or after.metrics is None:
         return SmokeReport(
             settings.base_url,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from sparkdeploy.model.plan import serve_argv
 from sparkdeploy.model.recipe import Recipe
-from sparkdeploy.model.secrecy import API_KEY_ENV, MASK
 from sparkdeploy.report.markdown import markdown_table
+from sparkdeploy.secrecy import API_KEY_ENV, MASK
 from sparkdeploy.vllm.args import canonical_flag, is_flag
 
 ABSENT = "(not set)"
