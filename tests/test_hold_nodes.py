@@ -25,6 +25,7 @@ from sparkdeploy.model.project import find_recipe
 from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.remote.docker_cli import DEPLOYMENT_LABEL, deployments_present
 from sparkdeploy.remote.node_identity import machine_ids, parse_machine_id
+from sparkdeploy.remote.prefect_api import SingleAttemptHttpxClient, single_attempt_client
 from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.steps import hold_nodes as locks
@@ -65,12 +66,12 @@ def test_lock_calls_leave_the_runs_own_client_with_prefects_retries(prefect_harn
         with get_client(sync_client=True) as run_client:
             acquire_nodes("lab", machines("lab", "node9"), "dep-run", timeout_s=5)
             release_nodes("lab", ["node9"], "dep-run")
-            with locks._lock_client() as lock_client:
+            with single_attempt_client() as lock_client:
                 return type(run_client._client), type(lock_client._client)
 
     run_http, lock_http = holding_a_node()
     assert run_http is PrefectHttpxSyncClient
-    assert lock_http is locks._SingleAttemptHttpxClient
+    assert lock_http is SingleAttemptHttpxClient
 
 
 def test_acquire_is_idempotent_and_release_only_frees_own_nodes(prefect_harness: Path) -> None:
@@ -222,7 +223,7 @@ def test_a_busy_answer_costs_the_lock_client_no_2_s_wait(monkeypatch: pytest.Mon
     # Every wait, Prefect's client's included (it sleeps Retry-After even on its last attempt).
     waits: list[float] = []
     monkeypatch.setattr(time, "sleep", waits.append)
-    http = locks._SingleAttemptHttpxClient(
+    http = SingleAttemptHttpxClient(
         transport=httpx.MockTransport(answer), base_url="http://prefect.invalid/api"
     )
     assert locks._api(http.post, "/variables/filter").json() == []

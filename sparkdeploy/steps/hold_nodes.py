@@ -44,7 +44,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -52,8 +52,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 from uuid import UUID
 
 import httpx
-from prefect.client.base import PrefectHttpxSyncClient
-from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import (
     GlobalConcurrencyLimitCreate,
     VariableCreate,
@@ -64,6 +63,7 @@ from prefect.client.schemas.objects import Variable
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from sparkdeploy.errors import NodeLockError
+from sparkdeploy.remote.prefect_api import filter_variables, single_attempt_client
 
 DEFAULT_TIMEOUT_S = 600.0
 POLL_S = 1.0
@@ -74,7 +74,6 @@ HOLDER_TAGS = ["sparkdeploy", "node-lock"]
 _VARIABLE_PAGE = 200
 _HTTP_LOCKED = 423
 _HTTP_BUSY = frozenset({429, 503})
-_CHANGE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # How long a lock call retries Prefect's busy answers, and its first wait.
 API_BUSY_RETRY_S = 30.0
 API_BUSY_FIRST_WAIT_S = 0.05
@@ -171,45 +170,12 @@ def _current_flow_run_id() -> str | None:
     return str(run_id) if run_id else None
 
 
-class _SingleAttemptHttpxClient(PrefectHttpxSyncClient):
-    """Sends each request once; _api retries busy answers on its own, shorter schedule.
-
-    On SQLite, Prefect answers 503 with Retry-After 2 when a write meets another writer, and
-    Prefect's client sleeps those 2 s even when its retries are turned off; the node locks of
-    a deploy paid it once or twice per run.
-    """
-
-    def _send_with_retry(
-        self,
-        request: httpx.Request,
-        send: Callable[..., httpx.Response],
-        send_args: tuple[Any, ...],
-        send_kwargs: dict[str, Any],
-        retry_codes: AbstractSet[int] = frozenset(),
-        retry_exceptions: tuple[type[Exception], ...] = (),
-    ) -> httpx.Response:
-        if self.enable_csrf_support and request.method.upper() in _CHANGE_METHODS:
-            self._add_csrf_headers(request=request)
-        return send(request, *send_args, **send_kwargs)
-
-
-@contextlib.contextmanager
-def _lock_client() -> Iterator[SyncPrefectClient]:
-    """A Prefect client of the lock calls' own: one attempt per request (see _api).
-
-    Given httpx_settings, get_client makes a new client instead of handing back the run's
-    shared one, whose requests keep Prefect's own retries (a run's client made single-attempt
-    here failed a later artifact on one dropped connection).
-    """
-    with get_client(httpx_settings={}, sync_client=True) as client:
-        if type(client._client) is PrefectHttpxSyncClient:
-            client._client.__class__ = _SingleAttemptHttpxClient
-        yield client
-
-
 def _api(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """`call(*args, **kwargs)`, retried on Prefect's busy answers (429, 503) and on transport
-    errors after short, growing waits."""
+    errors after short, growing waits. The lock calls' client sends each request once
+    (sparkdeploy.remote.prefect_api.single_attempt_client), so a busy answer is retried here
+    alone, not also by Prefect's client, which waits about 2 s on one even with its retries
+    off."""
     deadline = time.monotonic() + API_BUSY_RETRY_S
     delay = API_BUSY_FIRST_WAIT_S
     while True:
@@ -304,10 +270,9 @@ def _read_holders(
 ) -> dict[str, NodeHolder | None]:
     """node -> the holder of its machine (machines: node -> machine id), in one request."""
     by_variable = {holder_variable(machine): node for node, machine in machines.items()}
-    query = {"variables": {"name": {"any_": list(by_variable)}}, "limit": len(by_variable)}
-    response = _api(client.request, "POST", "/variables/filter", json=query)
+    variables = _api(filter_variables, client, names=list(by_variable), limit=len(by_variable))
     found: dict[str, NodeHolder | None] = dict.fromkeys(machines)
-    for variable in Variable.model_validate_list(response.json()):
+    for variable in variables:
         node = by_variable.get(variable.name)
         if node is not None:
             found[node] = _holder_of(variable)
@@ -319,13 +284,7 @@ def _recorded_holders(client: SyncPrefectClient) -> list[NodeHolder]:
     found: list[NodeHolder] = []
     offset = 0
     while True:
-        query = {
-            "variables": {"tags": {"all_": HOLDER_TAGS}},
-            "limit": _VARIABLE_PAGE,
-            "offset": offset,
-        }
-        response = _api(client.request, "POST", "/variables/filter", json=query)
-        page = Variable.model_validate_list(response.json())
+        page = _api(filter_variables, client, tags=HOLDER_TAGS, limit=_VARIABLE_PAGE, offset=offset)
         found += [holder for holder in map(_holder_of, page) if holder is not None]
         if len(page) < _VARIABLE_PAGE:
             return found
@@ -361,7 +320,7 @@ def holders(cluster: str, nodes: Sequence[str]) -> dict[str, NodeHolder | None]:
     """
     wanted = set(nodes)
     found: dict[str, NodeHolder | None] = dict.fromkeys(nodes)
-    with _lock_client() as client:
+    with single_attempt_client() as client:
         for holder in _recorded_holders(client):
             if holder.cluster != cluster or holder.node not in wanted:
                 continue
@@ -373,7 +332,7 @@ def holders(cluster: str, nodes: Sequence[str]) -> dict[str, NodeHolder | None]:
 
 def ended_runs(run_ids: AbstractSet[str | None]) -> set[str | None]:
     """Those of the flow runs that are not running: final, gone, or None (no run)."""
-    with _lock_client() as client:
+    with single_attempt_client() as client:
         return _ended_runs(client, run_ids)
 
 
@@ -628,7 +587,7 @@ def acquire_nodes(
     flow_run_id = _current_flow_run_id()
     taken_over: list[str] = []
     nodes = list(machines)
-    with _lock_client() as client:
+    with single_attempt_client() as client:
         while True:
             current = _read_holders(client, machines)
             decisions, why = _decide(
@@ -712,7 +671,7 @@ def give_back(
     run_id = flow_run_id or _current_flow_run_id()
     given: dict[str, str | None] = {}
     wanted = set(nodes)
-    with _lock_client() as client:
+    with single_attempt_client() as client:
         for holder in _recorded_holders(client):
             if (
                 holder.cluster != cluster
@@ -752,7 +711,7 @@ def commit_replacement(
     and the replaced deployments let go of the nodes they still hold. Returns the nodes let
     go."""
     wanted = set(nodes)
-    with _lock_client() as client:
+    with single_attempt_client() as client:
         for holder in _recorded_holders(client):
             if (
                 holder.cluster == cluster
@@ -788,7 +747,7 @@ def release_nodes(
     """
     released = []
     wanted = set(nodes)
-    with _lock_client() as client:
+    with single_attempt_client() as client:
         held_since: dict[str, list[str]] = {}
         for holder in _recorded_holders(client):
             if (
