@@ -1,4 +1,4 @@
-"""`python -m lab up [--nodes N] [--name NAME]`, `python -m lab down [--name NAME]`,
+"""`python -m lab up [--nodes N] [--ops-hosts N] [--name NAME]`, `python -m lab down [--name NAME]`,
 `python -m lab status [--name NAME]`, `python -m lab image [--name NAME]`,
 `python -m lab models [--name NAME]` (the lab recipes' models, into the lab hub),
 `python -m lab real-engine [--name NAME]` (real vLLM's CPU build: runtime, image and model)."""
@@ -23,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     up = commands.add_parser("up", help="bring the lab up (cleans a crashed one first)")
     up.add_argument("--nodes", type=int, default=DEFAULT_NODES)
     up.add_argument("--name", default=DEFAULT_NAME)
+    up.add_argument(
+        "--ops-hosts",
+        type=int,
+        default=0,
+        help="hosts on the lab fabric for Prefect workers (no sshd or dockerd)",
+    )
     for command, help_text in (
         ("down", "tear the lab down, leaving nothing"),
         ("status", "addresses and processes of the lab, as JSON"),
@@ -37,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     try:
         if options.command == "up":
-            lab = Lab(options.name, options.nodes)
+            lab = Lab(options.name, options.nodes, options.ops_hosts)
             seconds = lab.up()
             print(f"lab {lab.name!r} up in {seconds:.2f} s; inventory: {lab.inventory_path}")
         elif options.command == "down":

@@ -143,8 +143,10 @@ def _toml_table(header: str, values: dict[str, object]) -> str:
 class Lab:
     """One lab, by name. `up()` builds it (cleaning a crashed one first), `down()` removes it."""
 
-    def __init__(self, name: str = DEFAULT_NAME, node_count: int = DEFAULT_NODES) -> None:
-        self.layout = LabLayout(name, node_count)
+    def __init__(
+        self, name: str = DEFAULT_NAME, node_count: int = DEFAULT_NODES, ops_hosts: int = 0
+    ) -> None:
+        self.layout = LabLayout(name, node_count, ops_host_count=ops_hosts)
 
     @classmethod
     def existing(cls, name: str = DEFAULT_NAME) -> Lab:
@@ -157,7 +159,7 @@ class Lab:
                 f"lab {name!r} is not up: {state_file} does not exist (run"
                 f" `python -m lab up --name {name}`)"
             ) from error
-        return cls(name, len(state["nodes"]))
+        return cls(name, len(state["nodes"]), len(state.get("ops_hosts", [])))
 
     @property
     def name(self) -> str:
@@ -181,6 +183,22 @@ class Lab:
 
     def node_ip(self, node: str) -> str:
         return self.layout.node_ip(node)
+
+    @property
+    def ops_hosts(self) -> list[str]:
+        return self.layout.ops_host_names
+
+    @property
+    def host_ip(self) -> str:
+        """The flow host's own address on the lab fabric: where a Prefect server that the ops
+        hosts' workers reach listens."""
+        return self.layout.host_ip
+
+    def on_ops_host(self, ops_host: str) -> list[str]:
+        """The command prefix that runs a command on an ops host: in its network namespace, on
+        the host's filesystem (the lab's keys, inventory and NAS at the same paths, as a team
+        mounts them on its ops machines)."""
+        return ["nsenter", f"--net={NETNS_DIR / self.layout.ops_host_netns(ops_host)}", "--"]
 
     def docker_socket(self, node: str) -> Path:
         return self.layout.docker_socket(node)
@@ -325,6 +343,7 @@ class Lab:
         _ip_batch(
             [f"netns add {bridge_ns}"]
             + [f"netns add {layout.node_netns(node)}" for node in self.nodes]
+            + [f"netns add {layout.ops_host_netns(ops)}" for ops in self.ops_hosts]
             + [
                 f"link add {layout.host_link} type veth peer name uplink netns {bridge_ns}",
                 f"addr add {layout.host_ip}/24 dev {layout.host_link}",
@@ -346,15 +365,24 @@ class Lab:
                 f" netns {layout.node_netns(node)}",
                 f"link set {port} master br0 up",
             ]
+        for ops in self.ops_hosts:
+            port = layout.ops_host_bridge_port(ops)
+            bridge_commands += [
+                f"link add {port} type veth peer name {FABRIC_NETDEV}"
+                f" netns {layout.ops_host_netns(ops)}",
+                f"link set {port} master br0 up",
+            ]
         _ip_batch(bridge_commands, bridge_ns)
-        for node in self.nodes:
+        hosts = [(layout.node_netns(node), layout.node_ip(node)) for node in self.nodes]
+        hosts += [(layout.ops_host_netns(ops), layout.ops_host_ip(ops)) for ops in self.ops_hosts]
+        for netns, ip in hosts:
             _ip_batch(
                 [
                     "link set lo up",
-                    f"addr add {layout.node_ip(node)}/24 dev {FABRIC_NETDEV}",
+                    f"addr add {ip}/24 dev {FABRIC_NETDEV}",
                     f"link set {FABRIC_NETDEV} up",
                 ],
-                layout.node_netns(node),
+                netns,
             )
 
     def _start_daemons(self) -> dict[str, int]:
@@ -510,7 +538,7 @@ class Lab:
         for node in self.nodes:
             pid_file = self.layout.node_dir(node) / "run" / "docker.pid"
             pids[f"{node}/dockerd"] = int(pid_file.read_text())
-        state = {"name": self.name, "nodes": self.nodes, "pids": pids}
+        state = {"name": self.name, "nodes": self.nodes, "ops_hosts": self.ops_hosts, "pids": pids}
         _write(self.layout.state_file, json.dumps(state, indent=2))
 
     def _write_inventory(self) -> None:
@@ -642,7 +670,7 @@ class Lab:
         return found
 
     def _existing_netns(self) -> list[str]:
-        pattern = re.compile(rf"{re.escape(self.layout.netns_prefix)}(net|node\d+)")
+        pattern = re.compile(rf"{re.escape(self.layout.netns_prefix)}(net|node\d+|ops\d+)")
         if not NETNS_DIR.is_dir():
             return []
         return sorted(entry.name for entry in NETNS_DIR.iterdir() if pattern.fullmatch(entry.name))
@@ -708,6 +736,7 @@ class Lab:
             "inventory": str(layout.inventory_path),
             "nas": str(layout.nas_dir),
             "nodes": {node: layout.node_ip(node) for node in self.nodes},
+            "ops_hosts": {ops: layout.ops_host_ip(ops) for ops in self.ops_hosts},
             "processes": {
                 what: {"pid": pid, "alive": _alive(pid)}
                 for what, pid in (state["pids"].items() if state else [])

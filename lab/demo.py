@@ -25,6 +25,7 @@ from lab.chat_model import CHAT_MODEL_REPO
 from lab.cluster import Lab
 from lab.image import build_engine_image
 from lab.models import publish_lab_models
+from lab.postgres import PostgresServer
 from lab.prefect_local import (
     PROJECT_ROOT,
     PrefectServer,
@@ -35,7 +36,7 @@ from lab.prefect_local import (
 )
 from lab.vllm_runtime import prepare_real_engine
 from sparkdeploy.errors import SparkDeployError
-from sparkdeploy.model.project import load_plan
+from sparkdeploy.model.project import lab_root, load_plan
 from sparkdeploy.remote import engine_http
 from sparkdeploy.steps.smoke_test import CANARIES
 
@@ -45,6 +46,7 @@ LAB_NAME = "lab"
 PREFECT_HOME = PROJECT_ROOT / ".prefect"
 STATE_FILE = PREFECT_HOME / "demo.json"
 SERVER_PORT = 4200
+DATABASE_PORT = 5433
 DEPLOY_TIMEOUT_S = 900.0
 ENSURE_INTERVAL_S = 600
 
@@ -59,7 +61,7 @@ def _stop_recorded() -> None:
         state = json.loads(STATE_FILE.read_text())
     except FileNotFoundError:
         return
-    for what in ("worker", "server"):
+    for what in ("worker", "server", "database"):
         pid = state.get(what)
         if not pid:
             continue
@@ -80,7 +82,16 @@ def _stop_recorded() -> None:
     STATE_FILE.unlink()
 
 
-def up(*, real: bool = False) -> int:
+def _start_database() -> PostgresServer:
+    """The demo's PostgreSQL (its cluster kept under the lab root between demos, as the SQLite
+    file is under .prefect/), and a database `prefect` in it."""
+    database = PostgresServer(lab_root() / "postgres" / "demo", port=DATABASE_PORT)
+    database.start()
+    database.create_database("prefect")
+    return database
+
+
+def up(*, real: bool = False, postgres: bool = False) -> int:
     _stop_recorded()
     started = time.monotonic()
     recipe = REAL_DEMO_RECIPE if real else DEMO_RECIPE
@@ -95,13 +106,26 @@ def up(*, real: bool = False) -> int:
         _say(f"real engine image {engine.image}; runtime {engine.runtime}")
     _say(f"lab hub {lab.hub_url} serves {', '.join(models)}")
 
-    server = PrefectServer(PREFECT_HOME, port=SERVER_PORT)
-    _say(f"starting the Prefect server ({server.ui_url}, SQLite in {PREFECT_HOME})")
+    pids: dict[str, int | None] = {}
+    PREFECT_HOME.mkdir(exist_ok=True)
+    database_url = None
+    if postgres:
+        database = _start_database()
+        pids["database"] = database.pid
+        STATE_FILE.write_text(json.dumps(pids))
+        database_url = database.database_url("prefect")
+        where = f"PostgreSQL {database_url} (data in {database.data_dir})"
+    else:
+        where = f"SQLite in {PREFECT_HOME}"
+    server = PrefectServer(PREFECT_HOME, port=SERVER_PORT, database_url=database_url)
+    _say(f"starting the Prefect server ({server.ui_url}, {where})")
     server.start()
-    STATE_FILE.write_text(json.dumps({"server": server.pid}))
+    pids["server"] = server.pid
+    STATE_FILE.write_text(json.dumps(pids))
     register_deployments(server.env())
     worker = start_worker(server.env(), PREFECT_HOME / "worker.log")
-    STATE_FILE.write_text(json.dumps({"server": server.pid, "worker": worker.pid}))
+    pids["worker"] = worker.pid
+    STATE_FILE.write_text(json.dumps(pids))
     _say("deployments registered; worker started (log: .prefect/worker.log)")
 
     _say(f"prefect deployment run 'deploy/deploy' -p recipe={recipe} -p cluster={LAB_NAME}")
@@ -149,9 +173,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="deploy real vLLM (CPU build, 2 nodes, TP 2) instead of the stand-in",
     )
+    parser.add_argument(
+        "--postgres",
+        action="store_true",
+        help="the Prefect server on PostgreSQL (started here, data kept under the lab root)"
+        " instead of SQLite, as a team runs it",
+    )
     options = parser.parse_args(argv)
     try:
-        return up(real=options.real) if options.command == "up" else down()
+        if options.command == "down":
+            return down()
+        return up(real=options.real, postgres=options.postgres)
     except SparkDeployError as error:
         print(f"demo: error: {error}", file=sys.stderr)
         return 1

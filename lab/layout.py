@@ -20,6 +20,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_NAME = "lab"
 DEFAULT_NODES = 3
 MAX_NODES = 32
+MAX_OPS_HOSTS = 8
+# Ops hosts' addresses start here in the lab's /24, far from the nodes' (.11 to .42).
+OPS_HOST_FIRST_OCTET = 201
 FABRIC_NETDEV = "enp1s0f1np1"
 REGISTRY_PORT = 5000
 HUB_PORT = 8080
@@ -42,6 +45,9 @@ class LabLayout:
     name: str
     node_count: int
     state_root: Path = field(default_factory=lab_root)
+    # Hosts on the lab fabric without sshd or dockerd, where Prefect workers run as on a team's
+    # ops machines (README: Running it for a team).
+    ops_host_count: int = 0
 
     def __post_init__(self) -> None:
         if not _NAME_PATTERN.fullmatch(self.name):
@@ -54,6 +60,11 @@ class LabLayout:
             raise LabError(
                 f"--nodes {self.node_count} is out of range for lab {self.name!r}: choose 1 to"
                 f" {MAX_NODES}"
+            )
+        if not 0 <= self.ops_host_count <= MAX_OPS_HOSTS:
+            raise LabError(
+                f"--ops-hosts {self.ops_host_count} is out of range for lab {self.name!r}: choose"
+                f" 0 to {MAX_OPS_HOSTS}"
             )
 
     @property
@@ -115,6 +126,20 @@ class LabLayout:
 
     def node_ip(self, node: str) -> str:
         return f"{self.subnet_prefix}.{10 + self._node_number(node)}"
+
+    @property
+    def ops_host_names(self) -> list[str]:
+        return [f"ops{number + 1}" for number in range(self.ops_host_count)]
+
+    def ops_host_ip(self, ops_host: str) -> str:
+        return f"{self.subnet_prefix}.{OPS_HOST_FIRST_OCTET - 1 + self._ops_host_number(ops_host)}"
+
+    def ops_host_netns(self, ops_host: str) -> str:
+        self._ops_host_number(ops_host)
+        return f"lab-{self.name}-{ops_host}"
+
+    def ops_host_bridge_port(self, ops_host: str) -> str:
+        return f"opsport{self._ops_host_number(ops_host)}"
 
     def machine_id(self, node: str) -> str:
         """The node's /etc/machine-id (32 hex digits): its own, and the same each time the lab
@@ -178,3 +203,11 @@ class LabLayout:
                 f" {', '.join(self.node_names)}"
             )
         return int(node.removeprefix("node"))
+
+    def _ops_host_number(self, ops_host: str) -> int:
+        if ops_host not in self.ops_host_names:
+            raise LabError(
+                f"lab {self.name!r} has no ops host {ops_host!r}; its ops hosts are"
+                f" {', '.join(self.ops_host_names) or 'none (lab up --ops-hosts N)'}"
+            )
+        return int(ops_host.removeprefix("ops"))

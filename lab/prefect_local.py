@@ -1,4 +1,5 @@
-"""A local Prefect server (SQLite under PREFECT_HOME) and process workers, for the demo and tests.
+"""A local Prefect server (SQLite under PREFECT_HOME, or a PostgreSQL database) and process
+workers, on the flow host or on the lab's ops hosts, for the demo and tests.
 
 Everything here is a child process started with an explicit environment and stopped by PID.
 """
@@ -49,16 +50,26 @@ def _prefect_cli() -> str:
 
 @dataclass
 class PrefectServer:
-    """`prefect server start` on loopback with its own PREFECT_HOME (so its own SQLite DB)."""
+    """`prefect server start` with its own PREFECT_HOME: on its own SQLite database there, or on
+    `database_url` (PostgreSQL, lab.postgres) which other servers may share. `host` is loopback,
+    or the lab host's fabric address for workers on the ops hosts. With run_services False it
+    serves the API only, and `prefect server services start` (start_services) runs the
+    background services once for every API server of the database, as Prefect's HA setup has it
+    (https://docs.prefect.io/v3/advanced/self-hosted)."""
 
     home: Path
     port: int = 4200
     log_path: Path | None = None
+    host: str = "127.0.0.1"
+    database_url: str | None = None
+    run_services: bool = True
+    # Settings of the server process alone (Redis messaging, say), beside the database's.
+    server_settings: Mapping[str, str] = field(default_factory=dict)
     _process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api"
+        return f"http://{self.host}:{self.port}/api"
 
     @property
     def pid(self) -> int | None:
@@ -67,7 +78,7 @@ class PrefectServer:
 
     @property
     def ui_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def env(self) -> dict[str, str]:
         """The environment a Prefect client, worker or flow needs to talk to this server."""
@@ -78,6 +89,13 @@ class PrefectServer:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "INFO"),
         }
+
+    def server_env(self) -> dict[str, str]:
+        """The server process's environment: a client's, with the database and its settings."""
+        env = {**self.env(), **self.server_settings}
+        if self.database_url is not None:
+            env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = self.database_url
+        return env
 
     def is_healthy(self) -> bool:
         try:
@@ -100,13 +118,14 @@ class PrefectServer:
                     "server",
                     "start",
                     "--host",
-                    "127.0.0.1",
+                    self.host,
                     "--port",
                     str(self.port),
                     "--keep-alive-timeout",
                     str(SERVER_KEEPALIVE_S),
+                    *([] if self.run_services else ["--no-services"]),
                 ],
-                env=self.env(),
+                env=self.server_env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -162,21 +181,23 @@ def run_prefect(
     return result
 
 
-def deploy_run(
-    env: Mapping[str, str], recipe: str, cluster: str, *, watch_timeout_s: float | None = None
+def deployment_run(
+    env: Mapping[str, str],
+    deployment: str,
+    parameters: Mapping[str, object],
+    *,
+    watch_timeout_s: float | None = None,
 ) -> str:
-    """`prefect deployment run deploy/deploy -p recipe=... -p cluster=...`, watched to its end
-    when watch_timeout_s is given (an error if it does not complete); the flow run's id."""
+    """`prefect deployment run DEPLOYMENT --params JSON`, watched to its end when
+    watch_timeout_s is given (an error if it does not complete); the flow run's id."""
     watch = ["--watch", "--watch-timeout", str(int(watch_timeout_s))] if watch_timeout_s else []
     result = run_prefect(
         env,
         "deployment",
         "run",
-        "deploy/deploy",
-        "-p",
-        f"recipe={recipe}",
-        "-p",
-        f"cluster={cluster}",
+        deployment,
+        "--params",
+        json.dumps(dict(parameters)),
         *watch,
         timeout=(watch_timeout_s or 0) + 300,
     )
@@ -184,6 +205,18 @@ def deploy_run(
     if found is None:
         raise SparkDeployError(f"`prefect deployment run` named no flow run: {result.stdout}")
     return found.group(1)
+
+
+def deploy_run(
+    env: Mapping[str, str], recipe: str, cluster: str, *, watch_timeout_s: float | None = None
+) -> str:
+    """deploy/deploy of `recipe` on `cluster` (deployment_run)."""
+    return deployment_run(
+        env,
+        "deploy/deploy",
+        {"recipe": recipe, "cluster": cluster},
+        watch_timeout_s=watch_timeout_s,
+    )
 
 
 def register_deployments(env: Mapping[str, str], names: Sequence[str] = ()) -> None:
@@ -194,35 +227,40 @@ def register_deployments(env: Mapping[str, str], names: Sequence[str] = ()) -> N
     run_prefect(env, "deploy", *selected, "--no-prompt", "--prefect-file", str(LAB_PREFECT_FILE))
 
 
-def register_interval(
+def register_flow(
     env: Mapping[str, str],
     entrypoint: str,
     name: str,
     parameters: Mapping[str, object],
     *,
-    interval_s: int,
     description: str,
+    interval_s: int | None = None,
+    collision_strategy: str = "CANCEL_NEW",
 ) -> str:
-    """A deployment of the flow at `entrypoint` run every interval_s seconds with `parameters`,
-    one run at a time (a run due while the last one still goes is cancelled); its full name."""
+    """A deployment of the flow at `entrypoint` with `parameters`, one run at a time (Prefect's
+    deployment concurrency limit 1: a run due while another runs is cancelled, CANCEL_NEW, or
+    waits in AwaitingConcurrencySlot, ENQUEUE), every interval_s seconds when given; its full
+    name."""
+    schedule = ["--interval", str(interval_s)] if interval_s is not None else []
     run_prefect(
         env,
         "deploy",
         entrypoint,
-        *("--name", name, "--pool", WORK_POOL, "--interval", str(interval_s)),
+        *("--name", name, "--pool", WORK_POOL, *schedule),
         *("--params", json.dumps(dict(parameters))),
-        *("--concurrency-limit", "1", "--collision-strategy", "CANCEL_NEW"),
+        *("--concurrency-limit", "1", "--collision-strategy", collision_strategy),
         *("--description", description),
         *("--no-prompt", "--prefect-file", str(LAB_PREFECT_FILE)),
     )
-    flow_name = entrypoint.rpartition(":")[2]
+    # The flow's name, not its function's (prefetch_all is the flow `prefetch-all`).
+    flow_name = entrypoint.rpartition(":")[2].replace("_", "-")
     return f"{flow_name}/{name}"
 
 
 def register_ensure(env: Mapping[str, str], recipe: str, cluster: str, *, interval_s: int) -> str:
     """A scheduled deploy of `recipe` with ensure semantics every interval_s seconds (prefect.yaml
     shows the same for a real cluster, commented); its full name."""
-    return register_interval(
+    return register_flow(
         env,
         "flows/deploy.py:deploy",
         f"ensure-{recipe}",
@@ -232,11 +270,42 @@ def register_ensure(env: Mapping[str, str], recipe: str, cluster: str, *, interv
     )
 
 
-def start_worker(env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    """A process worker polling the project's pool; stop it with stop_worker."""
+def start_services(server: PrefectServer, log_path: Path) -> subprocess.Popen[bytes]:
+    """Prefect's background services (scheduler, late runs, zombie detection, ...) as one
+    process for every API server started with run_services False over the same database; stop
+    it with stop_worker."""
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [_prefect_cli(), "worker", "start", "--pool", WORK_POOL, "--type", "process"],
+            [_prefect_cli(), "server", "services", "start"],
+            env=server.server_env(),
+            cwd=PROJECT_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def start_worker(
+    env: Mapping[str, str],
+    log_path: Path,
+    *,
+    name: str | None = None,
+    wrapper: Sequence[str] = (),
+    limit: int | None = None,
+) -> subprocess.Popen[bytes]:
+    """A process worker polling the project's pool, named `name` when given, running at most
+    `limit` flow runs at once when given; `wrapper` runs it elsewhere (Lab.on_ops_host: on an
+    ops host). Stop it with stop_worker."""
+    named = ["--name", name] if name else []
+    named += ["--limit", str(limit)] if limit is not None else []
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [
+                *wrapper,
+                _prefect_cli(),
+                *("worker", "start", "--pool", WORK_POOL, "--type", "process", *named),
+            ],
             env=dict(env),
             cwd=PROJECT_ROOT,
             stdout=log,

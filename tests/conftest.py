@@ -1,7 +1,9 @@
 """Session fixtures shared by the test modules.
 
 `prefect_harness` is one Prefect test server for the whole session (it takes about 20 s to
-start), its state in a temporary PREFECT_HOME.
+start), its state in a temporary PREFECT_HOME: Prefect's own test harness on SQLite, or with
+SPARKDEPLOY_TEST_DATABASE=postgresql a server on a PostgreSQL database of its own (lab.postgres;
+scripts/test runs the flow and lock tests that way too).
 
 `lab_cluster` brings up one lab (3 nodes, named by SPARKDEPLOY_TEST_LAB, default "pytest") for
 the whole session and tears it down at the end, checking that nothing of it remains. Where the
@@ -12,37 +14,38 @@ reason, which `-ra` prints in the summary.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+
+def _free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+TEST_DATABASE = os.environ.get("SPARKDEPLOY_TEST_DATABASE", "sqlite")
+if TEST_DATABASE == "postgresql":
+    # Before Prefect is imported: its process-wide settings (what threads without the test's
+    # settings context see) are read from the environment then.
+    os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{_free_loopback_port()}/api"
+
 import pytest
-from lab_flows import FAULT_MATRIX_TABLE
+from lab_flows import FAULT_MATRIX_TABLE, lab_unavailable_reason
 from readiness_lab import Deployment, cache_tiny_model
 
-from lab.cluster import REQUIRED_TOOLS, Lab
+from lab.cluster import Lab
 from lab.models import publish_lab_models
-from lab.prefect_local import SERVER_KEEPALIVE_S
+from lab.postgres import PostgresServer
+from lab.prefect_local import SERVER_KEEPALIVE_S, PrefectServer, free_port
 from lab.vllm_runtime import RealEngine, ensure_runtime, prepare_real_engine, unavailable_reason
+from sparkdeploy.model.project import lab_root
 from sparkdeploy.remote import ssh
 
 TEST_LAB_NAME = os.environ.get("SPARKDEPLOY_TEST_LAB", "pytest")
 TEST_LAB_NODES = 3
-
-
-def lab_unavailable_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "the lab needs root (network namespaces, mounts, dockerd); run the suite as root"
-    missing = [tool for tool in (*REQUIRED_TOOLS, "docker-registry") if shutil.which(tool) is None]
-    if missing:
-        return f"the lab needs {', '.join(missing)}: run scripts/setup"
-    probe = subprocess.run(
-        ["unshare", "--net", "--mount", "--uts", "true"], capture_output=True, timeout=10
-    )
-    if probe.returncode != 0:
-        return f"namespaces are unavailable here: {probe.stderr.decode(errors='replace').strip()}"
-    return None
 
 
 @pytest.fixture(scope="session")
@@ -95,11 +98,33 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     # The harness runs uvicorn with the environment it inherits; see SERVER_KEEPALIVE_S.
     os.environ["UVICORN_TIMEOUT_KEEP_ALIVE"] = str(SERVER_KEEPALIVE_S)
-    from prefect.settings import PREFECT_HOME, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with temporary_settings({PREFECT_HOME: home}), prefect_test_harness(server_startup_timeout=120):
-        yield home
+    if TEST_DATABASE == "sqlite":
+        with (
+            temporary_settings({PREFECT_HOME: home}),
+            prefect_test_harness(server_startup_timeout=120),
+        ):
+            yield home
+        return
+    if TEST_DATABASE != "postgresql":
+        raise pytest.UsageError(
+            f"SPARKDEPLOY_TEST_DATABASE={TEST_DATABASE!r}: choose sqlite (the default) or"
+            " postgresql"
+        )
+    with PostgresServer(lab_root() / "postgres" / f"pytest-{os.getpid()}", free_port()) as database:
+        try:
+            database.create_database("prefect")
+            port = int(os.environ["PREFECT_API_URL"].rsplit(":", 1)[1].split("/")[0])
+            server = PrefectServer(home, port=port, database_url=database.database_url("prefect"))
+            with (
+                server,
+                temporary_settings({PREFECT_HOME: home, PREFECT_API_URL: server.api_url}),
+            ):
+                yield home
+        finally:
+            database.remove()
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,36 @@
-"""Helpers of the flow tests on the lab: recipe variants written for one test, the check that
-a deployment left nothing behind (no container of ours, no node held), and where the fault
-matrix leaves its table of measured detection times for the end of the pytest output."""
+"""Helpers of the flow tests on the lab: whether the lab can run here, recipe variants written
+for one test, the check that a deployment left nothing behind (no container of ours, no node
+held), and where the fault matrix leaves its table of measured detection times for the end of
+the pytest output."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 from uuid import UUID
 
 import pytest
 
+from lab.cluster import REQUIRED_TOOLS
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.status import cluster_status
+
+
+def lab_unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "the lab needs root (network namespaces, mounts, dockerd); run the suite as root"
+    missing = [tool for tool in (*REQUIRED_TOOLS, "docker-registry") if shutil.which(tool) is None]
+    if missing:
+        return f"the lab needs {', '.join(missing)}: run scripts/setup"
+    probe = subprocess.run(
+        ["unshare", "--net", "--mount", "--uts", "true"], capture_output=True, timeout=10
+    )
+    if probe.returncode != 0:
+        return f"namespaces are unavailable here: {probe.stderr.decode(errors='replace').strip()}"
+    return None
 
 
 def nothing_runs(cluster: str) -> None:

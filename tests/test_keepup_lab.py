@@ -32,7 +32,7 @@ from lab.prefect_local import (
     free_port,
     register_deployments,
     register_ensure,
-    register_interval,
+    register_flow,
     run_prefect,
     start_worker,
     stop_worker,
@@ -47,7 +47,7 @@ from sparkdeploy.steps.status import cluster_status
 pytestmark = [pytest.mark.lab]
 
 # Short schedules, so that each test sees several runs; a run due while the last one still goes
-# is cancelled (register_interval).
+# is cancelled (register_flow).
 ENSURE_INTERVAL_S = 20
 WATCHDOG_INTERVAL_S = 20
 CHAIN_TIMEOUT_S = 900.0
@@ -274,7 +274,7 @@ def watch_until_repaired(
             *("--watch-timeout", "900"),
             timeout=960,
         )
-        register_interval(
+        register_flow(
             env,
             "flows/smoke.py:smoke",
             "watchdog-test",
