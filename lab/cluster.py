@@ -802,6 +802,17 @@ class Lab:
         _write(self.layout.state_file, json.dumps({**state, "pids": pids}, indent=2))
         return pids[daemon]
 
+    def lose_ops_host(self, ops_host: str) -> None:
+        """Every process on an ops host SIGKILLed at once, as when the host loses power: its
+        worker and the flow runs under it (which Prefect starts in sessions of their own)."""
+        doomed = _netns_pids(self.layout.ops_host_netns(ops_host))
+        _signal_all(doomed, signal.SIGKILL)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while any(_alive(pid) for pid in doomed):
+            if time.monotonic() > deadline:
+                raise LabError(f"{ops_host}: still alive after SIGKILL: {_describe(doomed)}")
+            time.sleep(0.05)
+
     def daemon_pid(self, daemon: str) -> int:
         """The PID recorded for one of daemons() (a node's sshd is its first process, whose
         namespaces and /proc/PID/root are the node's)."""

@@ -6,7 +6,9 @@ task queue (prefect-redis); two API servers without background services, behind 
 balancer (Debian's nginx, which sends a request to the other server when one refuses the
 connection); one process running the background services; and process workers of one pool on
 the lab's ops hosts (network namespaces on the lab fabric), which reach the API through the
-balancer on the lab host's fabric address. Everything is a child process, stopped by PID.
+balancer on the lab host's fabric address; flow runs beat, and the zombie automation
+(`sparkdeploy zombies`) crashes those whose heartbeats stop. Everything is a child process,
+stopped by PID.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,14 +35,13 @@ from lab.prefect_local import (
     stop_worker,
 )
 from sparkdeploy.errors import LabError
+from sparkdeploy.report.zombies import HEARTBEAT_S
 
 DATABASE = "prefect"
 START_TIMEOUT_S = 30.0
 # The balancer waits this long for an API server's answer: a deploy's longest request is a log
 # or artifact upload, far shorter.
 PROXY_READ_TIMEOUT_S = 300
-# Heartbeats of flow runs, so a run whose worker died is found by its silence (README).
-HEARTBEAT_S = 30
 
 
 def redis_settings(redis_url: str) -> dict[str, str]:
@@ -124,7 +126,8 @@ class TeamControlPlane:
             "PREFECT_HOME": str(self.workdir / home),
             "PREFECT_API_URL": self.api_url,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_RUNNER_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
+            # Flow runs beat, so one whose worker died is found by its silence (zombies).
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
         }
 
     def start(self) -> None:
@@ -178,6 +181,13 @@ class TeamControlPlane:
             f"nginx on {self.lab.host_ip}:{self.balancer_port}",
             lambda: _answers(self.lab.host_ip, self.balancer_port),
         )
+        subprocess.run(
+            [str(Path(sys.executable).with_name("sparkdeploy")), "zombies"],
+            env=self.env(),
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
 
     def start_worker(self, ops_host: str, *, limit: int | None = None) -> subprocess.Popen[bytes]:
         """A process worker named after the ops host, in its namespace, running at most `limit`
@@ -201,6 +211,16 @@ class TeamControlPlane:
 
     def worker_log(self, ops_host: str) -> str:
         return (self.workdir / f"worker-{ops_host}.log").read_text(errors="replace")
+
+    def ran_on(self, flow_run_id: str) -> list[str]:
+        """The ops hosts whose worker took the run: it submitted it and the server did not
+        abort the submission (another worker had it first)."""
+        return [
+            ops_host
+            for ops_host in self.lab.ops_hosts
+            if f"submitting flow run '{flow_run_id}'" in (log := self.worker_log(ops_host))
+            and f"Aborted submission of flow run '{flow_run_id}'" not in log
+        ]
 
     def _spawn(self, what: str, argv: list[str]) -> None:
         with open(self.workdir / f"{what}.log", "ab") as log:

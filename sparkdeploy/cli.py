@@ -283,3 +283,37 @@ def notify(
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
     typer.echo(f"automation {NOTIFY_AUTOMATION!r} ({automation_id}) sends to {block}")
+
+
+@app.command()
+def zombies(
+    silence_s: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds without a heartbeat after which a flow run that has not ended is"
+            " marked Crashed (workers must set PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30);"
+            " default three heartbeats."
+        ),
+    ] = None,
+) -> None:
+    """Create or update the automation that marks a flow run Crashed when its heartbeats stop
+    (its worker or host died), so the node locks of a deploy it was running can be taken over."""
+    from prefect import get_client
+
+    from sparkdeploy.report.zombies import (
+        DEFAULT_SILENCE_S,
+        ZOMBIE_AUTOMATION,
+        apply_zombie_automation,
+    )
+
+    silence_s = DEFAULT_SILENCE_S if silence_s is None else silence_s
+    try:
+        with get_client(sync_client=True) as client:
+            automation_id = apply_zombie_automation(client, silence_s)
+    except SparkDeployError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(
+        f"automation {ZOMBIE_AUTOMATION!r} ({automation_id}) crashes flow runs silent for"
+        f" {silence_s:.0f} s"
+    )

@@ -200,8 +200,9 @@ def test_four_deploys_at_once_each_on_its_own_nodes_while_schedules_fire(
         assert held_by == {deployment.deployment_id}
         assert answers_the_canary(load_plan(RECIPE, inventory(team), nodes).endpoint)
     # Whichever worker was free took each run: both ops hosts took some.
-    for ops_host in team.lab.ops_hosts:
-        assert any(run in team.worker_log(ops_host) for run in runs), ops_host
+    taken_by = {run: team.ran_on(run) for run in runs}
+    assert all(len(hosts) == 1 for hosts in taken_by.values()), taken_by
+    assert {host for hosts in taken_by.values() for host in hosts} == set(team.lab.ops_hosts)
 
     for schedule in scheduled:
         while_deploying = [
@@ -276,6 +277,34 @@ def test_a_deployment_concurrency_limit_queues_the_second_run(team: TeamControlP
     assert first.end_time is not None and second.start_time is not None
     assert first.end_time <= second.start_time
     tear_down(team, node_sets)
+    nothing_runs(inventory(team))
+
+
+def test_a_deploy_whose_worker_died_is_crashed_and_its_nodes_taken_over(
+    team: TeamControlPlane,
+) -> None:
+    nodes = ["node7", "node8"]
+    run = deployment_run(team.env(), "deploy/deploy", deploy_params(team, nodes))
+    deadline = time.monotonic() + DEPLOY_TIMEOUT_S
+    while not [t for t in task_history(run) if t.startswith("hold-nodes") and "Completed" in t]:
+        assert time.monotonic() < deadline, task_history(run)
+        time.sleep(0.5)
+    [ops_host] = team.ran_on(run)
+    team.lab.lose_ops_host(ops_host)
+    deadline = time.monotonic() + 300
+    while states([run])[run] != "CRASHED/Crashed":
+        assert time.monotonic() < deadline, f"not marked Crashed: {states([run])}"
+        time.sleep(2)
+    team.start_worker(ops_host, limit=3)
+
+    again = deployment_run(
+        team.env(), "deploy/deploy", deploy_params(team, nodes), watch_timeout_s=DEPLOY_TIMEOUT_S
+    )
+    deployment_id = load_plan(RECIPE, inventory(team), nodes).deployment_id
+    assert f"deployment {deployment_id} goes on holding it" in run_logs(again), run_logs(again)
+    [running] = cluster_status(load_cluster(Path(inventory(team))))
+    assert running.nodes == nodes and running.healthy
+    tear_down(team, [nodes])
     nothing_runs(inventory(team))
 
 
