@@ -57,20 +57,25 @@ def redis_settings(redis_url: str) -> dict[str, str]:
     }
 
 
-def nginx_config(workdir: Path, listen: str, upstreams: list[str]) -> str:
+def nginx_config(
+    workdir: Path, listen: str, upstreams: list[str], *, access_log: Path | None = None
+) -> str:
     """A balancer over the API servers: a request whose server refuses or drops the connection
     goes to the next one (`proxy_next_upstream error`, POSTs too: the request never reached a
-    server that refused it), websockets (Prefect's event stream) pass through."""
+    server that refused it), websockets (Prefect's event stream) pass through. With access_log,
+    one line per request (bench/concurrent.py counts them)."""
     servers = "".join(
         f"    server {address} max_fails=1 fail_timeout=10s;\n" for address in upstreams
     )
     return (
+        # Its workers write temporary files under the lab's root-owned directories.
+        "user root;\n"
         "worker_processes 1;\n"
         f"pid {workdir / 'nginx.pid'};\n"
         f"error_log {workdir / 'nginx-error.log'} warn;\n"
         "events { worker_connections 1024; }\n"
         "http {\n"
-        "  access_log off;\n"
+        f"  access_log {access_log or 'off'};\n"
         f"  client_body_temp_path {workdir / 'nginx-body'};\n"
         f"  proxy_temp_path {workdir / 'nginx-proxy'};\n"
         f"  fastcgi_temp_path {workdir / 'nginx-fastcgi'};\n"
