@@ -7,6 +7,7 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from uuid import UUID
 
@@ -101,6 +102,92 @@ def test_waiting_deployment_gets_the_node_once_released(prefect_harness: Path) -
     holder = holders("lab", ["node5"])["node5"]
     assert holder is not None and holder.deployment_id == "dep-f"
     release_nodes("lab", ["node5"], "dep-f")
+
+
+def wait_tickets() -> list[locks.WaitTicket]:
+    with single_attempt_client() as client:
+        return locks._wait_tickets(client)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_waiting_deploys_get_a_node_in_arrival_order(prefect_harness: Path) -> None:
+    node = machines("fifo", "n1")
+    acquire_nodes("fifo", node, "dep-first", timeout_s=5)
+    taken: list[str] = []
+
+    def waiter(deployment: str) -> None:
+        acquire_nodes("fifo", node, deployment, timeout_s=60, poll_s=0.1)
+        taken.append(deployment)
+
+    second = threading.Thread(target=waiter, args=("dep-second",))
+    second.start()
+    wait_for(lambda: len(wait_tickets()) == 1)
+    third = threading.Thread(target=waiter, args=("dep-third",))
+    third.start()
+    wait_for(lambda: len(wait_tickets()) == 2)
+    release_nodes("fifo", ["n1"], "dep-first")
+    wait_for(lambda: taken == ["dep-second"])
+    # The third waits for the second, who came first, and then for its hold.
+    time.sleep(0.5)
+    assert taken == ["dep-second"]
+    [ticket] = wait_tickets()
+    assert ticket.deployment_id == "dep-third"
+    release_nodes("fifo", ["n1"], "dep-second")
+    second.join(timeout=30)
+    third.join(timeout=30)
+    assert taken == ["dep-second", "dep-third"]
+    assert wait_tickets() == []
+    release_nodes("fifo", ["n1"], "dep-third")
+
+
+def test_a_newcomer_does_not_overtake_a_waiter_and_says_whom_it_waits_for(
+    prefect_harness: Path,
+) -> None:
+    both = machines("fifo2", "n1", "n2")
+    acquire_nodes("fifo2", {"n1": both["n1"]}, "dep-holds-n1", timeout_s=5)
+    waiter = threading.Thread(
+        target=acquire_nodes, args=("fifo2", both, "dep-wants-both"), kwargs={"poll_s": 0.1}
+    )
+    waiter.start()
+    wait_for(lambda: len(wait_tickets()) == 1)
+    # n2 is free, but the deploy waiting for n1 and n2 asked first.
+    with pytest.raises(NodeLockError) as refused:
+        acquire_nodes("fifo2", {"n2": both["n2"]}, "dep-wants-n2", timeout_s=1, poll_s=0.1)
+    assert "deployment dep-wants-both" in str(refused.value)
+    assert "goes first" in str(refused.value)
+    assert [ticket.deployment_id for ticket in wait_tickets()] == ["dep-wants-both"]
+    release_nodes("fifo2", ["n1"], "dep-holds-n1")
+    waiter.join(timeout=30)
+    assert {h.deployment_id for h in holders("fifo2", ["n1", "n2"]).values() if h} == {
+        "dep-wants-both"
+    }
+    release_nodes("fifo2", ["n1", "n2"], "dep-wants-both")
+
+
+def test_a_ticket_its_waiter_stopped_refreshing_is_passed_over(
+    prefect_harness: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(locks, "TICKET_STALE_S", 1.0)
+    node = machines("fifo3", "n1")
+    with get_client(sync_client=True) as client:
+        client.create_variable(
+            VariableCreate(
+                name="node-wait-left-by-a-dead-waiter",
+                value={"deployment_id": "dep-dead", "machines": list(node.values())},
+                tags=locks.WAIT_TAGS,
+            )
+        )
+    time.sleep(1.5)
+    assert acquire_nodes("fifo3", node, "dep-alive", timeout_s=20, poll_s=0.2) == ["n1"]
+    release_nodes("fifo3", ["n1"], "dep-alive")
+    with get_client(sync_client=True) as client:
+        client.delete_variable_by_name("node-wait-left-by-a-dead-waiter")
 
 
 def test_concurrent_acquirers_never_share_a_node(prefect_harness: Path) -> None:

@@ -27,6 +27,15 @@ slots. Whether a holder is gone is proven instead, from the flow run's state and
 containers. The takeover mutex is leased (Prefect's minimum, 60 s): it is held for two requests,
 and a deploy killed while holding it must not block takeovers of that node for good.
 
+Arrival order. A deploy that must wait records a ticket (a Prefect Variable
+`node-wait-<random>`, tagged node-wait, naming its deployment, flow run and machines); the server
+stamps its creation time. A deploy takes free machines only when no live ticket created before
+its own (or, before it has one, any live ticket) wants one of them, so deploys waiting for a
+machine get it in the order they began to wait, and a newcomer does not overtake them. A ticket
+is live while its flow run goes on and its waiter refreshes it every poll: one whose run has
+ended, or which was not refreshed for TICKET_STALE_S by the server's clock, is passed over. The
+waiter removes its ticket when it takes the machines or gives up.
+
 Replacing. A deploy with `replace` names the deployments it replaces (`replacing`: holder's
 deployment id -> the deployment to bring back if the new one fails); their nodes are taken over
 once their own flow runs have ended, containers and all, and the new record says which
@@ -49,7 +58,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Literal, ParamSpec, TypeVar
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import httpx
 from prefect.client.orchestration import SyncPrefectClient
@@ -81,6 +90,10 @@ API_BUSY_FIRST_WAIT_S = 0.05
 _MIN_OCCUPANCY_S = 0.001
 # The takeover mutex's lease: Prefect's minimum; it is held for two requests.
 TAKEOVER_LEASE_S = 60.0
+WAIT_TAGS = ["sparkdeploy", "node-wait"]
+# A wait ticket not refreshed for this long (its waiter polls every POLL_S) was left by a
+# waiter that died.
+TICKET_STALE_S = 60.0
 
 _LOG = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -587,69 +600,189 @@ def acquire_nodes(
     flow_run_id = _current_flow_run_id()
     taken_over: list[str] = []
     nodes = list(machines)
+    ticket: str | None = None
     with single_attempt_client() as client:
-        while True:
-            current = _read_holders(client, machines)
-            decisions, why = _decide(
-                client, current, deployment_id, flow_run_id, containers_on, replacing
-            )
-            stale = {
-                node: holder
-                for node, holder in current.items()
-                if holder is not None and decisions[node] == "take over"
-            }
-            if stale:
-                done = _take_over(
-                    client,
-                    cluster,
-                    stale,
-                    deployment_id,
-                    flow_run_id,
-                    replacing,
-                    log=log,
-                    warn=warn,
+        try:
+            while True:
+                current = _read_holders(client, machines)
+                decisions, why = _decide(
+                    client, current, deployment_id, flow_run_id, containers_on, replacing
                 )
-                # Newly this run's, to give back on failure: those of other deployments, and
-                # those of this one that a replacement would hand back.
-                taken_over += [
-                    node
-                    for node in done
-                    if stale[node].deployment_id != deployment_id
-                    or stale[node].deployment_id in replacing
-                ]
-                if done:
-                    continue  # they are this run's now: decide again from the new records
-                why.update(dict.fromkeys(stale, "another deploy is taking it over right now"))
-            wanted = [node for node in nodes if decisions.get(node) != "ours"]
-            blocked = [node for node in wanted if current[node] is not None]
-            if wanted and not blocked and not _take_slots(client, _of(machines, wanted)):
-                blocked = wanted
-            if blocked:
-                blockers = _describe_blockers(client, cluster, _of(machines, blocked), why)
-                if time.monotonic() >= deadline:
-                    raise NodeLockError(
-                        f"deployment {deployment_id} could not take nodes {', '.join(wanted)} of"
-                        f" cluster {cluster} within {timeout_s:.0f} s: {blockers}. Wait for that"
-                        " flow run, tear that deployment down (the teardown flow) or choose"
-                        " other nodes"
+                stale = {
+                    node: holder
+                    for node, holder in current.items()
+                    if holder is not None and decisions[node] == "take over"
+                }
+                if stale:
+                    done = _take_over(
+                        client,
+                        cluster,
+                        stale,
+                        deployment_id,
+                        flow_run_id,
+                        replacing,
+                        log=log,
+                        warn=warn,
                     )
-                if blockers != waited_for:
-                    log(f"waiting for nodes of cluster {cluster}: {blockers}")
-                    waited_for = blockers
-                time.sleep(poll_s)
-                continue
-            since = datetime.now(UTC).isoformat(timespec="seconds")
-            for node in wanted:
-                _write_holder(
-                    client,
-                    NodeHolder(node, deployment_id, since, flow_run_id, cluster, machines[node]),
-                )
-            if wanted:
-                held = ", ".join(
-                    f"{node} (machine {machine_label(machines[node])})" for node in wanted
-                )
-                log(f"deployment {deployment_id} holds {held} of cluster {cluster}")
-            return [node for node in nodes if node in wanted or node in taken_over]
+                    # Newly this run's, to give back on failure: those of other deployments, and
+                    # those of this one that a replacement would hand back.
+                    taken_over += [
+                        node
+                        for node in done
+                        if stale[node].deployment_id != deployment_id
+                        or stale[node].deployment_id in replacing
+                    ]
+                    if done:
+                        continue  # they are this run's now: decide again from the new records
+                    why.update(dict.fromkeys(stale, "another deploy is taking it over right now"))
+                wanted = [node for node in nodes if decisions.get(node) != "ours"]
+                busy = [node for node in wanted if current[node] is not None]
+                ahead = _ahead(client, ticket, _of(machines, wanted)) if wanted else []
+                # Free, nobody ahead: take them, unless another deploy just did.
+                if (
+                    wanted
+                    and not busy
+                    and not ahead
+                    and not _take_slots(client, _of(machines, wanted))
+                ):
+                    busy = wanted
+                if busy or ahead:
+                    ticket = _queue(
+                        client, ticket, deployment_id, flow_run_id, _of(machines, wanted)
+                    )
+                    blockers = "; ".join(
+                        (
+                            [_describe_blockers(client, cluster, _of(machines, busy), why)]
+                            if busy
+                            else []
+                        )
+                        + [found.describe(_of(machines, wanted)) for found in ahead]
+                    )
+                    if time.monotonic() >= deadline:
+                        raise NodeLockError(
+                            f"deployment {deployment_id} could not take nodes"
+                            f" {', '.join(wanted)} of cluster {cluster} within"
+                            f" {timeout_s:.0f} s: {blockers}. Wait for that flow run, tear that"
+                            " deployment down (the teardown flow) or choose other nodes"
+                        )
+                    if blockers != waited_for:
+                        log(f"waiting for nodes of cluster {cluster}: {blockers}")
+                        waited_for = blockers
+                    time.sleep(poll_s)
+                    continue
+                since = datetime.now(UTC).isoformat(timespec="seconds")
+                for node in wanted:
+                    _write_holder(
+                        client,
+                        NodeHolder(
+                            node, deployment_id, since, flow_run_id, cluster, machines[node]
+                        ),
+                    )
+                if wanted:
+                    held = ", ".join(
+                        f"{node} (machine {machine_label(machines[node])})" for node in wanted
+                    )
+                    log(f"deployment {deployment_id} holds {held} of cluster {cluster}")
+                return [node for node in nodes if node in wanted or node in taken_over]
+        finally:
+            if ticket is not None:
+                with contextlib.suppress(ObjectNotFound):
+                    _api(client.delete_variable_by_name, ticket)
+
+
+@dataclass(frozen=True)
+class WaitTicket:
+    """A deploy waiting for machines, as its ticket records it."""
+
+    name: str
+    deployment_id: str
+    flow_run_id: str | None
+    machines: frozenset[str]
+    created: datetime
+    updated: datetime
+
+    @classmethod
+    def of(cls, variable: Variable) -> WaitTicket | None:
+        value = variable.value
+        if not isinstance(value, dict) or not isinstance(value.get("machines"), list):
+            return None
+        if variable.created is None or variable.updated is None:
+            return None
+        return cls(
+            name=variable.name,
+            deployment_id=str(value.get("deployment_id")),
+            flow_run_id=value.get("flow_run_id"),
+            machines=frozenset(str(machine) for machine in value["machines"]),
+            created=variable.created,
+            updated=variable.updated,
+        )
+
+    def describe(self, machines: Mapping[str, str]) -> str:
+        nodes = [node for node, machine in machines.items() if machine in self.machines]
+        run = f", flow run {self.flow_run_id}" if self.flow_run_id else ""
+        return (
+            f"{', '.join(nodes)}: deployment {self.deployment_id}{run} has waited for"
+            f" {'it' if len(nodes) == 1 else 'them'} since"
+            f" {self.created.isoformat(timespec='seconds')} and goes first"
+        )
+
+
+def _wait_tickets(client: SyncPrefectClient) -> list[WaitTicket]:
+    found: list[WaitTicket] = []
+    while True:
+        page = _api(
+            filter_variables, client, tags=WAIT_TAGS, limit=_VARIABLE_PAGE, offset=len(found)
+        )
+        found += [ticket for ticket in map(WaitTicket.of, page) if ticket is not None]
+        if len(page) < _VARIABLE_PAGE:
+            return found
+
+
+def _queue(
+    client: SyncPrefectClient,
+    ticket: str | None,
+    deployment_id: str,
+    flow_run_id: str | None,
+    machines: Mapping[str, str],
+) -> str:
+    """This deploy's ticket for `machines`, created or refreshed (which moves its updated
+    time, not its place); its name."""
+    value = {
+        "deployment_id": deployment_id,
+        "flow_run_id": flow_run_id,
+        "machines": sorted(machines.values()),
+        "refreshed": time.time(),
+    }
+    if ticket is None:
+        ticket = f"node-wait-{uuid4().hex}"
+        _api(client.create_variable, VariableCreate(name=ticket, value=value, tags=WAIT_TAGS))
+    else:
+        _api(client.update_variable, VariableUpdate(name=ticket, value=value, tags=WAIT_TAGS))
+    return ticket
+
+
+def _ahead(
+    client: SyncPrefectClient, ticket: str | None, machines: Mapping[str, str]
+) -> list[WaitTicket]:
+    """The live tickets for any of `machines` that came before this deploy's own `ticket` (all
+    of them when it has none yet)."""
+    tickets = _wait_tickets(client)
+    own = next((found for found in tickets if found.name == ticket), None)
+    wanted = set(machines.values())
+    others = [found for found in tickets if found.name != ticket and found.machines & wanted]
+    if own is not None:
+        others = [
+            found
+            for found in others
+            if (found.created, found.name) < (own.created, own.name)
+            and (own.updated - found.updated).total_seconds() <= TICKET_STALE_S
+        ]
+    if not others:
+        return []
+    ended = _ended_runs(client, {found.flow_run_id for found in others if found.flow_run_id})
+    return [
+        found for found in others if found.flow_run_id is None or found.flow_run_id not in ended
+    ]
 
 
 def _of(machines: Mapping[str, str], nodes: Sequence[str]) -> dict[str, str]:
