@@ -35,7 +35,7 @@ from lab.prefect_local import (
     stop_worker,
 )
 from sparkdeploy.errors import LabError
-from sparkdeploy.report.zombies import HEARTBEAT_S
+from sparkdeploy.report.zombies import MIN_HEARTBEAT_S
 
 DATABASE = "prefect"
 START_TIMEOUT_S = 30.0
@@ -132,7 +132,7 @@ class TeamControlPlane:
             "PREFECT_API_URL": self.api_url,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             # Flow runs beat, so one whose worker died is found by its silence (zombies).
-            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(MIN_HEARTBEAT_S),
         }
 
     def start(self) -> None:
@@ -187,7 +187,10 @@ class TeamControlPlane:
             lambda: _answers(self.lab.host_ip, self.balancer_port),
         )
         subprocess.run(
-            [str(Path(sys.executable).with_name("sparkdeploy")), "zombies"],
+            [
+                str(Path(sys.executable).with_name("sparkdeploy")),
+                *("zombies", "--heartbeat-s", str(MIN_HEARTBEAT_S)),
+            ],
             env=self.env(),
             check=True,
             capture_output=True,

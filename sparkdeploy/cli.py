@@ -287,12 +287,11 @@ def notify(
 
 @app.command()
 def zombies(
-    silence_s: Annotated[
-        float | None,
+    heartbeat_s: Annotated[
+        int | None,
         typer.Option(
-            help="Seconds without a heartbeat after which a flow run that has not ended is"
-            " marked Crashed (workers must set PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30);"
-            " default three heartbeats."
+            help="The workers' PREFECT_FLOWS_HEARTBEAT_FREQUENCY (Prefect's default 180); a run"
+            " three heartbeats silent is marked Crashed."
         ),
     ] = None,
 ) -> None:
@@ -301,19 +300,20 @@ def zombies(
     from prefect import get_client
 
     from sparkdeploy.report.zombies import (
-        DEFAULT_SILENCE_S,
+        DEFAULT_HEARTBEAT_S,
+        MISSED_HEARTBEATS,
         ZOMBIE_AUTOMATION,
         apply_zombie_automation,
     )
 
-    silence_s = DEFAULT_SILENCE_S if silence_s is None else silence_s
+    heartbeat_s = DEFAULT_HEARTBEAT_S if heartbeat_s is None else heartbeat_s
     try:
         with get_client(sync_client=True) as client:
-            automation_id = apply_zombie_automation(client, silence_s)
+            automation_id = apply_zombie_automation(client, heartbeat_s)
     except SparkDeployError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
     typer.echo(
         f"automation {ZOMBIE_AUTOMATION!r} ({automation_id}) crashes flow runs silent for"
-        f" {silence_s:.0f} s"
+        f" {MISSED_HEARTBEATS * heartbeat_s} s (heartbeats every {heartbeat_s} s)"
     )

@@ -4,8 +4,12 @@ host under it, died in the middle of the run, and nothing else would ever end it
 Prefect's self-hosted servers have no built-in zombie detection; its guide creates this
 automation (https://docs.prefect.io/v3/advanced/detect-zombie-flows): a proactive trigger on
 `prefect.flow-run.heartbeat` that fires when neither another heartbeat nor a final state of the
-same run follows within the silence. The runs beat only when their workers' environment sets
-PREFECT_FLOWS_HEARTBEAT_FREQUENCY (30 s or more). A deploy run marked Crashed has ended, so the
+same run follows within the silence: three heartbeats missed. Flow runs beat every
+PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds of their worker's environment (Prefect 3.9: 180 by
+default, 30 at least; src/prefect/settings/models/flows.py), so the automation must be told the
+workers' figure: a silence shorter than it would crash runs that are alive. A team that wants
+dead runs found sooner sets 30 on every worker and applies this with 30. A deploy run marked
+Crashed has ended, so the
 next deploy takes its node locks over (sparkdeploy.steps.hold_nodes) instead of waiting for them.
 `sparkdeploy zombies` applies it (idempotent: an automation of the same name is updated).
 """
@@ -23,23 +27,26 @@ from prefect.events.schemas.automations import AutomationCore, EventTrigger, Pos
 from sparkdeploy.errors import SparkDeployError
 
 ZOMBIE_AUTOMATION = "sparkdeploy: crash flow runs whose heartbeats stopped"
-# What the workers' PREFECT_FLOWS_HEARTBEAT_FREQUENCY is set to (Prefect's minimum).
-HEARTBEAT_S = 30
-# Three heartbeats missed, as Prefect's guide has it.
-DEFAULT_SILENCE_S = 3 * HEARTBEAT_S
+# Prefect's default PREFECT_FLOWS_HEARTBEAT_FREQUENCY, and its minimum.
+DEFAULT_HEARTBEAT_S = 180
+MIN_HEARTBEAT_S = 30
+# A run is a zombie after this many heartbeats missed, as Prefect's guide has it (3 x 30 s).
+MISSED_HEARTBEATS = 3
 HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
 RUN_ENDED_EVENTS = frozenset(
     f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed")
 )
 
 
-def zombie_automation(silence_s: float = DEFAULT_SILENCE_S) -> AutomationCore:
-    """Any flow run silent for silence_s after a heartbeat, without having ended: Crashed."""
-    if silence_s < 2 * HEARTBEAT_S:
+def zombie_automation(heartbeat_s: int = DEFAULT_HEARTBEAT_S) -> AutomationCore:
+    """Any flow run silent for MISSED_HEARTBEATS heartbeats of heartbeat_s (the workers'
+    PREFECT_FLOWS_HEARTBEAT_FREQUENCY) after one, without having ended: Crashed."""
+    if heartbeat_s < MIN_HEARTBEAT_S:
         raise SparkDeployError(
-            f"a silence of {silence_s:.0f} s would crash runs that are alive: heartbeats come"
-            f" every {HEARTBEAT_S} s, so give at least {2 * HEARTBEAT_S} s"
+            f"heartbeats every {heartbeat_s} s: Prefect sends them every {MIN_HEARTBEAT_S} s at"
+            " most; give the workers' PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
         )
+    silence_s = MISSED_HEARTBEATS * heartbeat_s
     return AutomationCore(
         name=ZOMBIE_AUTOMATION,
         description=(
@@ -65,10 +72,10 @@ def zombie_automation(silence_s: float = DEFAULT_SILENCE_S) -> AutomationCore:
 
 
 def apply_zombie_automation(
-    client: SyncPrefectClient, silence_s: float = DEFAULT_SILENCE_S
+    client: SyncPrefectClient, heartbeat_s: int = DEFAULT_HEARTBEAT_S
 ) -> UUID:
     """The zombie automation created, or updated when one of its name exists; its id."""
-    automation = zombie_automation(silence_s)
+    automation = zombie_automation(heartbeat_s)
     existing = client.read_automations_by_name(ZOMBIE_AUTOMATION)
     if existing:
         client.update_automation(existing[0].id, automation)
