@@ -25,6 +25,7 @@ from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, tempor
 
 from sparkdeploy.remote.prefect_api import (
     SingleAttemptHttpxClient,
+    end_runs_without_waiting_for_heartbeats,
     filter_variables,
     single_attempt_client,
 )
@@ -197,3 +198,29 @@ def test_variables_are_found_by_name_and_by_tags(prefect_harness: Path) -> None:
         finally:
             for name in names.values():
                 setup.delete_variable_by_name(name)
+
+
+def test_prefects_heartbeat_context_takes_what_the_adapter_passes() -> None:
+    from prefect import flow_engine
+
+    end_runs_without_waiting_for_heartbeats()
+    original = flow_engine._send_heartbeats.__wrapped__  # type: ignore[attr-defined]
+    assert list(inspect.signature(original).parameters) == ["engine", "join_on_exit"]
+
+
+def test_a_flow_run_ends_without_waiting_for_its_heartbeat_thread(prefect_harness: Path) -> None:
+    end_runs_without_waiting_for_heartbeats()
+
+    @flow
+    def empty() -> None:
+        pass
+
+    empty()  # Prefect's own service threads start with the first run
+    before = set(threading.enumerate())
+    empty()
+    # The heartbeat thread runs contextvars.Context.run (src/prefect/flow_engine.py).
+    left = [t for t in threading.enumerate() if t not in before and t.name.endswith("(run)")]
+    assert left, "the run waited for its heartbeat thread to end"
+    for thread in left:
+        thread.join(timeout=3)
+        assert not thread.is_alive(), "the stopped heartbeat thread did not end"
