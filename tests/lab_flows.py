@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from uuid import UUID
 
 import pytest
 
 from lab.cluster import REQUIRED_TOOLS
+from lab.prefect_local import register_deployments
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.status import cluster_status
@@ -31,6 +33,23 @@ def lab_unavailable_reason() -> str | None:
     if probe.returncode != 0:
         return f"namespaces are unavailable here: {probe.stderr.decode(errors='replace').strip()}"
     return None
+
+
+# lab/prefect.yaml's trigger on deploy/deploy (the automation has the trigger's name).
+REPAIR_AUTOMATION = "sparkdeploy: repair an unhealthy deployment"
+
+
+def register_lab_deployments(env: Mapping[str, str], names: Sequence[str] = ()) -> None:
+    """The lab's deployments on the session's shared Prefect server, with their repair
+    automation paused: an unhealthy event one test makes (a watchdog finding a killed worker)
+    must not leave a repair run waiting for the next test's worker to pick it up.
+    tests/test_keepup_lab.py tests the repair on a server of its own."""
+    from prefect.client.orchestration import get_client
+
+    register_deployments(env, names)
+    with get_client(sync_client=True) as client:
+        for automation in client.read_automations_by_name(REPAIR_AUTOMATION):
+            client.pause_automation(automation.id)
 
 
 def nothing_runs(cluster: str) -> None:

@@ -41,7 +41,13 @@ from typing import Any
 from uuid import UUID
 
 import pytest
-from lab_flows import FAULT_MATRIX_TABLE, flow_process, nothing_runs, recipe_variant
+from lab_flows import (
+    FAULT_MATRIX_TABLE,
+    flow_process,
+    nothing_runs,
+    recipe_variant,
+    register_lab_deployments,
+)
 
 from flows.deploy import deploy
 from flows.smoke import smoke
@@ -53,7 +59,6 @@ from lab.models import TINY_CHAT, TINY_DSV41, publish_lab_models
 from lab.prefect_local import (
     PROJECT_ROOT,
     deploy_run,
-    register_deployments,
     run_prefect,
     start_worker,
     stop_worker,
@@ -1367,7 +1372,7 @@ def worker(
         # every 10 s).
         "PREFECT_WORKER_QUERY_SECONDS": "1",
     }
-    register_deployments(env, names=["deploy"])
+    register_lab_deployments(env, names=["deploy"])
     started = Worker(env, tmp_path_factory.mktemp("worker") / "worker.log")
     yield started
     if started.process is not None:

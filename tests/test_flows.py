@@ -9,11 +9,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from lab_flows import nothing_runs
+from lab_flows import nothing_runs, register_lab_deployments
 
 from flows.deploy import deploy
 from flows.prefetch_all import prefetch_all
-from lab.prefect_local import register_deployments, run_prefect, start_worker
+from lab.prefect_local import run_prefect, start_worker
 from lab.prefect_local import stop_worker as stop_prefect_worker
 from sparkdeploy.errors import RecipeBlocked
 from sparkdeploy.model.cluster import load_cluster
@@ -45,7 +45,7 @@ def test_full_deploy_through_a_worker_and_prefect_deployment_run(
         "PREFECT_API_URL": str(PREFECT_API_URL.value()),
         "PREFECT_HOME": str(prefect_harness),
     }
-    register_deployments(env)
+    register_lab_deployments(env)
     worker = start_worker(env, tmp_path / "worker.log")
     try:
         for flow_name, recipe in (("deploy", "lab-dsv41-3x"), ("status", None)):

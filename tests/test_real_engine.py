@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from lab_flows import nothing_runs, recipe_variant
+from lab_flows import nothing_runs, recipe_variant, register_lab_deployments
 
 from flows.deploy import Step, deploy
 from flows.smoke import smoke
 from flows.teardown import teardown
 from lab.cluster import Lab
-from lab.prefect_local import PROJECT_ROOT, register_deployments, run_prefect, start_worker
+from lab.prefect_local import PROJECT_ROOT, run_prefect, start_worker
 from lab.prefect_local import stop_worker as stop_prefect_worker
 from lab.vllm_runtime import RealEngine
 from sparkdeploy.errors import BootFailed, FitError, SparkDeployError
@@ -75,7 +75,7 @@ def test_two_nodes_deploy_through_prefect_and_a_killed_worker_is_named(
         "PREFECT_API_URL": str(PREFECT_API_URL.value()),
         "PREFECT_HOME": str(prefect_harness),
     }
-    register_deployments(env)
+    register_lab_deployments(env)
     worker = start_worker(env, tmp_path / "worker.log")
     try:
         run_prefect(

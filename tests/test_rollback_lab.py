@@ -19,6 +19,7 @@ from lab_flows import (
     flow_process,
     nothing_runs,
     recipe_variant,
+    register_lab_deployments,
     task_history,
 )
 
@@ -26,7 +27,7 @@ from flows.deploy import deploy
 from flows.teardown import teardown
 from lab.cluster import Lab
 from lab.models import publish_lab_models
-from lab.prefect_local import PROJECT_ROOT, register_deployments, run_prefect, start_worker
+from lab.prefect_local import PROJECT_ROOT, run_prefect, start_worker
 from lab.prefect_local import stop_worker as stop_prefect_worker
 from sparkdeploy.errors import NodeLockError, RolledBack
 from sparkdeploy.model.cluster import load_cluster
@@ -125,7 +126,7 @@ def test_a_replacement_killed_mid_way_is_finished_by_the_next_run(
         tmp_path, "lab-slow-loop", SINGLE, with_fault("slow_boot:30,token_loop")
     )
     slow_bad_id = load_plan(slow_bad, cluster).deployment_id
-    register_deployments(env)
+    register_lab_deployments(env)
     worker = start_worker(env, tmp_path / "worker.log")
     try:
         started = run_prefect(
