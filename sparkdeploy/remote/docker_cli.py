@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -22,6 +23,9 @@ from sparkdeploy.remote.node_script import STDERR_TAIL_CHARS, build_node_script,
 from sparkdeploy.remote.ssh import CommandResult, LineStream, SshTarget, on_all
 
 DOCKER_TIMEOUT_S = 60.0
+# What dockerd answers `docker rm` of a container another removal is already removing.
+_REMOVAL_UNDER_WAY = "is already in progress"
+REMOVAL_POLL_S = 0.2
 PROBE_TIMEOUT_S = 90.0
 
 T = TypeVar("T")
@@ -283,5 +287,31 @@ def remove_containers(
     if stopped.exit_code != 0 and "No such container" not in stderr_text(stopped):
         checked(node, stopped, "stopping containers", "check docker on the node")
     removed = docker(runner, ["rm", "--force", *container_ids])
-    if removed.exit_code != 0 and "No such container" not in stderr_text(removed):
+    error = stderr_text(removed)
+    if removed.exit_code != 0 and _REMOVAL_UNDER_WAY in error:
+        # Another removal of it is under way (a concurrent teardown, or docker's own): theirs
+        # finishes the job, and this one waits for it.
+        _wait_until_removed(runner, node, container_ids)
+    elif removed.exit_code != 0 and "No such container" not in error:
         checked(node, removed, "removing containers", "check docker on the node")
+
+
+def _wait_until_removed(runner: Runner, node: str, container_ids: Sequence[str]) -> None:
+    deadline = time.monotonic() + DOCKER_TIMEOUT_S
+    while True:
+        listed = checked(
+            node,
+            docker(runner, ["ps", "--all", "--quiet", "--no-trunc"]),
+            "listing containers",
+            "check docker on the node",
+        )
+        present = listed.stdout.decode().split()
+        left = [cid for cid in container_ids if any(p.startswith(cid) for p in present)]
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise RemoteError(
+                f"node {node}: containers {', '.join(left)} were still being removed after"
+                f" {DOCKER_TIMEOUT_S:.0f} s; check docker on the node"
+            )
+        time.sleep(REMOVAL_POLL_S)
