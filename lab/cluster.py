@@ -340,10 +340,17 @@ class Lab:
     def _create_network(self) -> None:
         layout = self.layout
         bridge_ns = layout.bridge_netns
+        # Every host on the fabric: (its namespace, its port on the bridge, its address).
+        hosts = [
+            (layout.node_netns(node), layout.node_bridge_port(node), layout.node_ip(node))
+            for node in self.nodes
+        ] + [
+            (layout.ops_host_netns(ops), layout.ops_host_bridge_port(ops), layout.ops_host_ip(ops))
+            for ops in self.ops_hosts
+        ]
         _ip_batch(
             [f"netns add {bridge_ns}"]
-            + [f"netns add {layout.node_netns(node)}" for node in self.nodes]
-            + [f"netns add {layout.ops_host_netns(ops)}" for ops in self.ops_hosts]
+            + [f"netns add {netns}" for netns, _, _ in hosts]
             + [
                 f"link add {layout.host_link} type veth peer name uplink netns {bridge_ns}",
                 f"addr add {layout.host_ip}/24 dev {layout.host_link}",
@@ -358,24 +365,13 @@ class Lab:
             "link set br0 up",
             "link set uplink master br0 up",
         ]
-        for node in self.nodes:
-            port = layout.node_bridge_port(node)
+        for netns, port, _ in hosts:
             bridge_commands += [
-                f"link add {port} type veth peer name {FABRIC_NETDEV}"
-                f" netns {layout.node_netns(node)}",
-                f"link set {port} master br0 up",
-            ]
-        for ops in self.ops_hosts:
-            port = layout.ops_host_bridge_port(ops)
-            bridge_commands += [
-                f"link add {port} type veth peer name {FABRIC_NETDEV}"
-                f" netns {layout.ops_host_netns(ops)}",
+                f"link add {port} type veth peer name {FABRIC_NETDEV} netns {netns}",
                 f"link set {port} master br0 up",
             ]
         _ip_batch(bridge_commands, bridge_ns)
-        hosts = [(layout.node_netns(node), layout.node_ip(node)) for node in self.nodes]
-        hosts += [(layout.ops_host_netns(ops), layout.ops_host_ip(ops)) for ops in self.ops_hosts]
-        for netns, ip in hosts:
+        for netns, _, ip in hosts:
             _ip_batch(
                 [
                     "link set lo up",

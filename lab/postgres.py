@@ -4,8 +4,8 @@ cluster in a data directory of ours, started without systemd and stopped by PID.
 Prefect documents PostgreSQL (asyncpg) as the database for shared use
 (https://docs.prefect.io/v3/advanced/self-hosted: PREFECT_SERVER_DATABASE_CONNECTION_URL);
 SQLite stays the embedded default of the demo and the tests. The server listens on the address
-given (loopback, or the lab host's fabric address) and trusts connections from the lab's own
-/24 only: it is a test and demo database, never a team's.
+given (loopback) and trusts the connections it gets there: it is a test and demo database,
+never a team's.
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ class PostgresServer:
     data_dir: Path
     port: int
     host: str = "127.0.0.1"
-    # Who else may connect (CIDR), beside the host itself: the lab's /24 when ops hosts do.
-    trusted_network: str | None = None
     _process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -95,9 +93,6 @@ class PostgresServer:
             capture_output=True,
             timeout=120,
         )
-        if self.trusted_network:
-            with open(self.data_dir / "pg_hba.conf", "a") as hba:
-                hba.write(f"host all all {self.trusted_network} trust\n")
 
     def start(self) -> None:
         self._initialise()
