@@ -248,8 +248,9 @@ class TeamControlPlane:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        """Workers first (their flow runs with them), then the balancer, services, servers,
-        Redis; the database last, removed with its data."""
+        """The workers first (no new runs start), then Redis, the services and the balancer, the
+        API servers, and the database last, removed with its data. Flow runs that outlive their
+        worker are the lab's to end (Lab.down stops every process of its ops hosts)."""
         for what in sorted(self._processes, key=lambda name: not name.startswith("worker")):
             stop_worker(self._processes.pop(what))
         for server in self.servers:
