@@ -1,24 +1,31 @@
-"""Helpers of the flow tests on the lab: whether the lab can run here, recipe variants written
-for one test, the check that a deployment left nothing behind (no container of ours, no node
-held), and where the fault matrix leaves its table of measured detection times for the end of
-the pytest output."""
+"""Helpers of the flow tests on the lab: whether the lab can run here, the environment and the
+worker of a subprocess on the session's Prefect server, recipe variants written for one test,
+the check that a deployment left nothing behind (no container of ours, no node held), and where
+the fault matrix leaves its table of measured detection times for the end of the pytest
+output."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 import pytest
 
 from lab.cluster import REQUIRED_TOOLS
-from lab.prefect_local import register_deployments
+from lab.prefect_local import register_deployments, start_worker, stop_worker
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.status import cluster_status
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import State
 
 
 def lab_unavailable_reason() -> str | None:
@@ -50,6 +57,65 @@ def register_lab_deployments(env: Mapping[str, str], names: Sequence[str] = ()) 
     with get_client(sync_client=True) as client:
         for automation in client.read_automations_by_name(REPAIR_AUTOMATION):
             client.pause_automation(automation.id)
+
+
+def harness_env(prefect_harness: Path) -> dict[str, str]:
+    """The environment of a subprocess (the prefect CLI, a worker) on the session's shared
+    Prefect server: this process's, with the server's API URL and PREFECT_HOME."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {
+        **os.environ,
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "PREFECT_HOME": str(prefect_harness),
+    }
+
+
+@contextmanager
+def lab_worker(
+    env: Mapping[str, str], log: Path, *, tail_chars: int = 5000
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The lab's deployments registered (register_lab_deployments) and a process worker on
+    their pool, logging to `log`, for the block; stopped after it. Where the block fails, the
+    log's last `tail_chars` are printed."""
+    register_lab_deployments(env)
+    worker = start_worker(env, log)
+    try:
+        yield worker
+    except BaseException:
+        print(log.read_text()[-tail_chars:])
+        raise
+    finally:
+        stop_worker(worker)
+
+
+def wait_for_state(flow_run_id: str, timeout_s: float = 120.0) -> State:
+    """The flow run's state once it is final."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + timeout_s
+        while (
+            state := client.read_flow_run(UUID(flow_run_id)).state
+        ) is None or not state.is_final():
+            assert time.monotonic() < deadline, f"flow run {flow_run_id} still {state}"
+            time.sleep(0.5)
+    return state
+
+
+def ask(endpoint: str, model: str, prompt: str, *, timeout_s: float = 30, **body: object) -> str:
+    """The engine's reply to one user message (`body`: more of the request, such as
+    temperature); the request must succeed."""
+    from sparkdeploy.remote import engine_http
+
+    reply = engine_http.request(
+        "POST",
+        f"{endpoint}/v1/chat/completions",
+        timeout=timeout_s,
+        json_body={"model": model, "messages": [{"role": "user", "content": prompt}], **body},
+    )
+    assert reply.status == 200, reply.body
+    return str(reply.json()["choices"][0]["message"]["content"])
 
 
 def nothing_runs(cluster: str) -> None:

@@ -38,15 +38,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from uuid import UUID
 
 import pytest
 from lab_flows import (
     FAULT_MATRIX_TABLE,
     flow_process,
+    harness_env,
     nothing_runs,
     recipe_variant,
     register_lab_deployments,
+    wait_for_state,
 )
 
 from flows.deploy import deploy
@@ -1362,12 +1363,8 @@ class Worker:
 def worker(
     cluster: str, prefect_harness: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Worker]:
-    from prefect.settings import PREFECT_API_URL
-
     env = {
-        **os.environ,
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-        "PREFECT_HOME": str(prefect_harness),
+        **harness_env(prefect_harness),
         # Picks the runs up and sees their cancellation within a second (the default polls
         # every 10 s).
         "PREFECT_WORKER_QUERY_SECONDS": "1",
@@ -1377,19 +1374,6 @@ def worker(
     yield started
     if started.process is not None:
         stop_worker(started.process)
-
-
-def wait_for_state(flow_run_id: str, timeout_s: float = 120.0) -> Any:
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        deadline = time.monotonic() + timeout_s
-        while (
-            state := client.read_flow_run(UUID(flow_run_id)).state
-        ) is None or not state.is_final():
-            assert time.monotonic() < deadline, f"flow run {flow_run_id} still {state}"
-            time.sleep(0.5)
-    return state
 
 
 def logged(flow_run_id: str, prefix: str, timeout_s: float = 60.0) -> tuple[str, float]:
@@ -1427,7 +1411,8 @@ def ended_mid_boot(
     booting(lab, cluster, worker)
     ended_at = time.time()
     end(flow_run_id)
-    assert wait_for_state(flow_run_id).name.lower() == hook
+    state = wait_for_state(flow_run_id)
+    assert state.name is not None and state.name.lower() == hook, state
     said, at = logged(flow_run_id, f"{hook}: tore down")
     assert "node1" in said, said
     nothing_left(lab, cluster)

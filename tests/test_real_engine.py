@@ -7,26 +7,23 @@ The start-up failures real vLLM has are each seen on a real boot: named, quoted,
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from lab_flows import nothing_runs, recipe_variant, register_lab_deployments
+from lab_flows import ask, harness_env, lab_worker, nothing_runs, recipe_variant
 
 from flows.deploy import Step, deploy
 from flows.smoke import smoke
 from flows.teardown import teardown
 from lab.cluster import Lab
-from lab.prefect_local import PROJECT_ROOT, run_prefect, start_worker
-from lab.prefect_local import stop_worker as stop_prefect_worker
+from lab.prefect_local import PROJECT_ROOT, deploy_run
 from lab.vllm_runtime import RealEngine
 from sparkdeploy.errors import BootFailed, FitError, SparkDeployError
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.project import load_plan
-from sparkdeploy.remote import engine_http
 from sparkdeploy.remote.ssh import cached_connection, close_cached
 from sparkdeploy.remote.targets import node_target
 from sparkdeploy.steps.smoke_test import CANARIES
@@ -44,21 +41,6 @@ def cluster(lab_cluster: Lab, real_engine: RealEngine) -> Iterator[str]:
     close_cached()
 
 
-def ask(endpoint: str, model: str, prompt: str) -> str:
-    reply = engine_http.request(
-        "POST",
-        f"{endpoint}/v1/chat/completions",
-        timeout=120,
-        json_body={
-            "model": model,
-            "messages": [{"role": "user", "content": prompt}],
-            "temperature": 0,
-        },
-    )
-    assert reply.status == 200, reply.body
-    return str(reply.json()["choices"][0]["message"]["content"])
-
-
 def docker_on(cluster: str, node: str, *argv: str) -> str:
     plan_node = next(n for n in load_plan("real-lab-2x", cluster).nodes if n.node == node)
     result = cached_connection(node_target(plan_node)).run(["docker", *argv], timeout=60)
@@ -68,38 +50,15 @@ def docker_on(cluster: str, node: str, *argv: str) -> str:
 def test_two_nodes_deploy_through_prefect_and_a_killed_worker_is_named(
     cluster: str, prefect_harness: Path, tmp_path: Path
 ) -> None:
-    from prefect.settings import PREFECT_API_URL
-
-    env = {
-        **os.environ,
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-        "PREFECT_HOME": str(prefect_harness),
-    }
-    register_lab_deployments(env)
-    worker = start_worker(env, tmp_path / "worker.log")
-    try:
-        run_prefect(
-            env,
-            "deployment",
-            "run",
-            "deploy/deploy",
-            "-p",
-            "recipe=real-lab-2x",
-            "-p",
-            f"cluster={cluster}",
-            "--watch",
-            "--watch-timeout",
-            "900",
-            timeout=960,
-        )
-    except subprocess.SubprocessError:
-        print((tmp_path / "worker.log").read_text()[-8000:])
-        raise
-    finally:
-        stop_prefect_worker(worker)
+    env = harness_env(prefect_harness)
+    with lab_worker(env, tmp_path / "worker.log", tail_chars=8000):
+        deploy_run(env, "real-lab-2x", cluster, watch_timeout_s=900)
     plan = load_plan("real-lab-2x", cluster)
     for canary in CANARIES:
-        assert canary.is_answer(ask(plan.endpoint, plan.served_model_name, canary.prompt))
+        answer = ask(
+            plan.endpoint, plan.served_model_name, canary.prompt, timeout_s=120, temperature=0
+        )
+        assert canary.is_answer(answer)
     [running] = cluster_status(load_cluster(Path(cluster)))
     assert running.recipe == "real-lab-2x" and running.healthy
     assert running.nodes == ["node1", "node2"]

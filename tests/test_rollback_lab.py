@@ -6,46 +6,34 @@ knows what to bring back."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from uuid import UUID
 
 import pytest
 from lab_flows import (
     answers_the_canary,
     flow_process,
+    harness_env,
+    lab_worker,
     nothing_runs,
     recipe_variant,
-    register_lab_deployments,
     task_history,
+    wait_for_state,
 )
 
 from flows.deploy import deploy
 from flows.teardown import teardown
-from lab.cluster import Lab
-from lab.models import publish_lab_models
-from lab.prefect_local import PROJECT_ROOT, run_prefect, start_worker
-from lab.prefect_local import stop_worker as stop_prefect_worker
+from lab.prefect_local import PROJECT_ROOT, deployment_run
 from sparkdeploy.errors import NodeLockError, RolledBack
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.project import load_plan
-from sparkdeploy.remote.ssh import close_cached
 from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.status import cluster_status
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 
 SINGLE = PROJECT_ROOT / "recipes" / "lab-single" / "recipe.toml"
-
-
-@pytest.fixture(scope="module")
-def cluster(lab_cluster: Lab, lab_engine_image: str) -> Iterator[str]:
-    publish_lab_models(lab_cluster.hub_repos_dir)
-    yield str(lab_cluster.inventory_path)
-    close_cached()
 
 
 def with_fault(fault: str) -> tuple[str, str]:
@@ -112,33 +100,19 @@ def test_a_replacement_killed_mid_way_is_finished_by_the_next_run(
     its own container: no rollback hook runs. The node's record still says which deployment it
     was replacing, so a deploy without replace refuses, naming both, and the next replacing
     deploy of the same recipe fails its smoke test and rolls back to lab-single."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL
-
-    env = {
-        **os.environ,
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-        "PREFECT_HOME": str(prefect_harness),
-    }
+    env = harness_env(prefect_harness)
     serving = deploy("lab-single", cluster=cluster)
     inventory = load_cluster(Path(cluster))
     slow_bad = recipe_variant(
         tmp_path, "lab-slow-loop", SINGLE, with_fault("slow_boot:30,token_loop")
     )
     slow_bad_id = load_plan(slow_bad, cluster).deployment_id
-    register_lab_deployments(env)
-    worker = start_worker(env, tmp_path / "worker.log")
-    try:
-        started = run_prefect(
+    with lab_worker(env, tmp_path / "worker.log") as worker:
+        run_id = deployment_run(
             env,
-            "deployment",
-            "run",
             "deploy/deploy",
-            *("-p", f"recipe={slow_bad}", "-p", f"cluster={cluster}", "-p", "replace=true"),
+            {"recipe": slow_bad, "cluster": cluster, "replace": True},
         )
-        match = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout)
-        assert match, started.stdout
-        run_id = match.group(1)
         deadline = time.monotonic() + 300
         while [s.deployment_id for s in cluster_status(inventory)] != [slow_bad_id]:
             assert time.monotonic() < deadline, "the replacement never booted"
@@ -146,19 +120,9 @@ def test_a_replacement_killed_mid_way_is_finished_by_the_next_run(
         pid = flow_process(worker.pid, run_id)
         assert pid is not None, "no flow process of the run under the worker"
         os.kill(pid, signal.SIGKILL)
-        with get_client(sync_client=True) as client:
-            while (
-                state := client.read_flow_run(UUID(str(run_id))).state
-            ) is None or not state.is_final():
-                assert time.monotonic() < deadline, f"still {state} after the kill"
-                time.sleep(1)
+        state = wait_for_state(run_id)
         print(f"the killed run ended {state.name}")
         assert state.is_crashed(), state
-    except BaseException:
-        print((tmp_path / "worker.log").read_text()[-5000:])
-        raise
-    finally:
-        stop_prefect_worker(worker)
     holder = holders(inventory.name, ["node1"])["node1"]
     assert holder is not None and holder.deployment_id == slow_bad_id
     assert holder.replaces is not None and holder.replaces.deployment_id == serving.deployment_id
