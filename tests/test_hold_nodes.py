@@ -33,12 +33,15 @@ from sparkdeploy.steps import hold_nodes as locks
 from sparkdeploy.steps.hold_nodes import (
     NodeHolder,
     acquire_nodes,
+    api,
     holder_decision,
     holder_variable,
     holders,
     limit_name,
+    records,
     release_nodes,
 )
+from sparkdeploy.steps.hold_nodes import queue as wait_queue
 
 
 def machines(cluster: str, *nodes: str) -> dict[str, str]:
@@ -104,9 +107,9 @@ def test_waiting_deployment_gets_the_node_once_released(prefect_harness: Path) -
     release_nodes("lab", ["node5"], "dep-f")
 
 
-def wait_tickets() -> list[locks.WaitTicket]:
+def wait_tickets() -> list[wait_queue.WaitTicket]:
     with single_attempt_client() as client:
-        return locks._wait_tickets(client)
+        return wait_queue._wait_tickets(client)
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -173,14 +176,14 @@ def test_a_newcomer_does_not_overtake_a_waiter_and_says_whom_it_waits_for(
 def test_a_ticket_its_waiter_stopped_refreshing_is_passed_over(
     prefect_harness: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(locks, "TICKET_STALE_S", 1.0)
+    monkeypatch.setattr(wait_queue, "TICKET_STALE_S", 1.0)
     node = machines("fifo3", "n1")
     with get_client(sync_client=True) as client:
         client.create_variable(
             VariableCreate(
                 name="node-wait-left-by-a-dead-waiter",
                 value={"deployment_id": "dep-dead", "machines": list(node.values())},
-                tags=locks.WAIT_TAGS,
+                tags=wait_queue.WAIT_TAGS,
             )
         )
     time.sleep(1.5)
@@ -289,13 +292,13 @@ def test_busy_answers_are_retried_at_once_and_other_errors_are_not(
         return f"{answer} {name}"
 
     waits: list[float] = []
-    monkeypatch.setattr(locks.time, "sleep", waits.append)
-    assert locks._api(call, "node1") == "taken node1"
+    monkeypatch.setattr(api.time, "sleep", waits.append)
+    assert api._api(call, "node1") == "taken node1"
     assert len(waits) == 3 and sum(waits) < 1.0  # not the Prefect client's ~2 s per retry
 
     answers[:] = [423]
     with pytest.raises(httpx.HTTPStatusError):
-        locks._api(call, "node1")
+        api._api(call, "node1")
     assert len(waits) == 3
 
 
@@ -313,7 +316,7 @@ def test_a_busy_answer_costs_the_lock_client_no_2_s_wait(monkeypatch: pytest.Mon
     http = SingleAttemptHttpxClient(
         transport=httpx.MockTransport(answer), base_url="http://prefect.invalid/api"
     )
-    assert locks._api(http.post, "/variables/filter").json() == []
+    assert api._api(http.post, "/variables/filter").json() == []
     assert sent == ["/api/variables/filter"] * 2
     assert len(waits) == 1 and waits[0] < 0.1
 
@@ -534,7 +537,7 @@ def test_holders_and_release_go_by_the_records_and_skip_old_ones(prefect_harness
             VariableCreate(
                 name="node-lock-old-n1-0badc0de",
                 value={"deployment_id": "dep-old", "since": "2025-01-01T00:00:00+00:00"},
-                tags=locks.HOLDER_TAGS,
+                tags=records.HOLDER_TAGS,
             )
         )
     assert holders("rec", ["n1"]) == {"n1": None}
