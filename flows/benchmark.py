@@ -6,12 +6,18 @@ from prefect import flow
 from pydantic import Field
 
 from sparkdeploy.steps.benchmark import DEFAULT_SETTINGS, BenchmarkResult, BenchmarkSettings
+from tasks.artifacts import artifacts_written
 from tasks.benchmark import benchmark_deployment
 from tasks.plan import plan_deployment
 from tasks.runlabels import label_flow_run
 
 
-@flow(name="benchmark", flow_run_name="benchmark {recipe} on {cluster}")
+@flow(
+    name="benchmark",
+    flow_run_name="benchmark {recipe} on {cluster}",
+    on_completion=[artifacts_written],
+    on_failure=[artifacts_written],
+)
 def benchmark(
     recipe: str = Field(description="The deployed recipe: a name under recipes/ or a path."),
     cluster: str = Field(description="The cluster it runs on (clusters/<name>.toml)."),

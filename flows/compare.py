@@ -30,6 +30,7 @@ from sparkdeploy.steps.compare import (
     SideOutcome,
     smoke_failure,
 )
+from tasks.artifacts import artifacts_written
 from tasks.benchmark import benchmark_deployment
 from tasks.compare import (
     outcome_of_run,
@@ -42,7 +43,12 @@ from tasks.smoke_test import smoke_test
 from tasks.teardown import teardown_deployment
 
 
-@flow(name="compare-side", flow_run_name="compare side {label}: {recipe} on {cluster}")
+@flow(
+    name="compare-side",
+    flow_run_name="compare side {label}: {recipe} on {cluster}",
+    on_completion=[artifacts_written],
+    on_failure=[artifacts_written],
+)
 def compare_side(
     label: str,
     recipe: str,
@@ -85,6 +91,8 @@ def compare_side(
     flow_run_name="compare {side_a.recipe} with {side_b.recipe} on {cluster}",
     description="Two recipes (or one with args, env or image overridden) deployed, smoke-tested, "
     "benchmarked and torn down; a side-by-side artifact with a verdict per row.",
+    on_completion=[artifacts_written],
+    on_failure=[artifacts_written],
 )
 def compare(
     side_a: CompareSide = Field(description="Side A, the baseline: a recipe and its overrides."),

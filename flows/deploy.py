@@ -25,6 +25,7 @@ from sparkdeploy.steps.readiness_gate import GateResult
 from sparkdeploy.steps.replace import Replacement, rollback_message
 from sparkdeploy.steps.running_copy import RunningCopy
 from sparkdeploy.steps.summary import DeploySummary, StepClock
+from tasks.artifacts import artifacts_written
 from tasks.boot import KEEP_ON_FAILURE, boot_deployment
 from tasks.compose_model import compose_models_on_nodes
 from tasks.fit import check_fit
@@ -107,6 +108,8 @@ def _already_serving(plan: Plan, running: RunningCopy, clock: StepClock, how: st
     # run is left running, and its nodes are free.
     on_cancellation=[tear_down_abandoned_run],
     on_crashed=[tear_down_abandoned_run],
+    on_completion=[artifacts_written],
+    on_failure=[artifacts_written],
 )
 def deploy(
     recipe: str,

@@ -7,11 +7,17 @@ from prefect import flow
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.project import find_cluster
 from sparkdeploy.steps.prefetch import RepoOutcome
+from tasks.artifacts import artifacts_written
 from tasks.catalog import repos_of_deployable_recipes
 from tasks.prefetch import prefetch_repos
 
 
-@flow(name="prefetch-all", flow_run_name="prefetch-all {recipes} into {cluster}")
+@flow(
+    name="prefetch-all",
+    flow_run_name="prefetch-all {recipes} into {cluster}",
+    on_completion=[artifacts_written],
+    on_failure=[artifacts_written],
+)
 def prefetch_all(cluster: str, recipes: str = "*") -> list[RepoOutcome]:
     """Scheduled nightly: tomorrow's deploys then find their weights complete on the NAS.
 

@@ -6,11 +6,17 @@ from prefect import flow
 from prefect.futures import wait
 
 from sparkdeploy.steps.smoke_test import SmokeReport
+from tasks.artifacts import artifacts_written
 from tasks.smoke_test import smoke_test
 from tasks.watchdog import failure_of, report_health, running_plans
 
 
-@flow(name="smoke", flow_run_name="smoke watchdog on {cluster}")
+@flow(
+    name="smoke",
+    flow_run_name="smoke watchdog on {cluster}",
+    on_completion=[artifacts_written],
+    on_failure=[artifacts_written],
+)
 def smoke(cluster: str) -> list[SmokeReport]:
     """Every running deployment smoke-tested, and its health a Prefect event
     (`sparkdeploy.deployment.healthy` / `.unhealthy` with the node and named cause) that

@@ -5,9 +5,15 @@ from __future__ import annotations
 from prefect import flow
 
 from sparkdeploy.steps.status import DeploymentStatus
+from tasks.artifacts import artifacts_written
 from tasks.status import read_cluster_status
 
 
-@flow(name="status", flow_run_name="status of {cluster}")
+@flow(
+    name="status",
+    flow_run_name="status of {cluster}",
+    on_completion=[artifacts_written],
+    on_failure=[artifacts_written],
+)
 def status(cluster: str) -> list[DeploymentStatus]:
     return read_cluster_status(cluster)

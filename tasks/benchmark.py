@@ -10,12 +10,12 @@ run's artifacts. No retries: a second sweep would measure another moment.
 from __future__ import annotations
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.steps.benchmark import BenchmarkResult, BenchmarkSettings, run_benchmark, save_raw
 from sparkdeploy.vllm.args import argv_flag_value
+from tasks.artifacts import publish_markdown, publish_table
 from tasks.common import artifact_key
 from tasks.smoke_test import head_serve_argv, smoke_settings
 
@@ -44,7 +44,7 @@ def benchmark_deployment(
     for note in result.engine_disagreements():
         logger.warning("%s", note)
     levels = ", ".join(str(level.concurrency) for level in result.levels)
-    create_table_artifact(
+    publish_table(
         key=artifact_key("benchmark", plan.deployment_id),
         table=result.table_rows(),
         description=(
@@ -52,7 +52,7 @@ def benchmark_deployment(
             f"concurrency {levels}: median ± half the range of {settings.repeats} runs"
         ),
     )
-    create_markdown_artifact(
+    publish_markdown(
         key=artifact_key("benchmark-chart", plan.deployment_id),
         markdown=result.markdown(str(raw)),
         description=f"Throughput and latency of {plan.recipe} against concurrency",

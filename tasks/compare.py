@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
 from prefect.states import State
 from prefect.utilities.urls import url_for
@@ -26,6 +25,7 @@ from sparkdeploy.steps.compare import (
     failure_cause,
     prepare,
 )
+from tasks.artifacts import publish_markdown
 from tasks.common import artifact_key
 
 
@@ -89,7 +89,7 @@ def publish_comparison(
         for side in (a, b)
         if side.flow_run_id and (url := url_for("flow-run", obj_id=side.flow_run_id))
     }
-    create_markdown_artifact(
+    publish_markdown(
         key=artifact_key("compare", f"{prepared.a.recipe_id}-vs-{prepared.b.recipe_id}"),
         markdown=comparison.markdown(links),
         description=f"A: {prepared.a.description} / B: {prepared.b.description}: "

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.steps.compose_model import ComposeResult, compose_model
+from tasks.artifacts import publish_table
 from tasks.common import artifact_key, retry_only
 
 
@@ -49,7 +49,7 @@ def compose_models_on_nodes(plan: Plan) -> dict[str, ComposeResult]:
             }
             for local, entry in result.hardlinks
         ]
-    create_table_artifact(
+    publish_table(
         key=artifact_key("composed-model", plan.deployment_id),
         table=rows,
         description=f"Local files hardlinked into the composed models of {plan.deployment_id}",

@@ -4,12 +4,12 @@ sparkdeploy.steps.fit)."""
 from __future__ import annotations
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import DoesNotFit
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.steps.fit import fit_report
+from tasks.artifacts import publish_markdown
 from tasks.common import artifact_key
 
 
@@ -20,7 +20,7 @@ def check_fit(plan: Plan) -> Plan:
     """
     logger = get_run_logger()
     report = fit_report(plan)
-    create_markdown_artifact(
+    publish_markdown(
         key=artifact_key("fit", plan.deployment_id),
         markdown=report.markdown(),
         description=f"{plan.recipe} on {plan.cluster}: memory fit",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
@@ -11,6 +10,7 @@ from sparkdeploy.model.plan import Plan
 from sparkdeploy.model.project import find_image_dir
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.steps.image import ImageReport, ensure_image
+from tasks.artifacts import publish_table
 from tasks.common import artifact_key, retry_only
 
 
@@ -35,7 +35,7 @@ def ensure_images(plan: Plan) -> ImageReport:
         registry=plan.registry,
         log=logger.info,
     )
-    create_table_artifact(
+    publish_table(
         key=artifact_key("image", plan.deployment_id),
         table=[
             {

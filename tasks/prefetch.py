@@ -16,11 +16,7 @@ from typing import Any, cast
 from uuid import UUID
 
 from prefect import task
-from prefect.artifacts import (
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.blocks.system import Secret
 from prefect.logging import get_run_logger
 
@@ -35,6 +31,7 @@ from sparkdeploy.steps.prefetch import (
     prefetch,
 )
 from sparkdeploy.units import human_bytes
+from tasks.artifacts import publish_table
 from tasks.common import retry_only
 
 PROGRESS_ARTIFACT_KEY = "prefetch-progress"
@@ -58,13 +55,13 @@ class PrefectReporter:
     def __init__(
         self,
         logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
-        artifact_id: UUID,
         *,
         log_every_s: float = 15.0,
         artifact_every_s: float = 2.0,
     ) -> None:
         self._logger = logger
-        self._artifact_id = artifact_id
+        # Made at the first byte to fetch: a warm prefetch has no progress to show.
+        self._artifact_id: UUID | None = None
         self._log_every_s = log_every_s
         self._artifact_every_s = artifact_every_s
         self._last_log = 0.0
@@ -77,7 +74,17 @@ class PrefectReporter:
             100.0 * progress.done_bytes / progress.total_bytes if progress.total_bytes else 100.0
         )
         if finished or now - self._last_artifact >= self._artifact_every_s:
-            update_progress_artifact(self._artifact_id, percent)
+            if self._artifact_id is None:
+                self._artifact_id = cast(
+                    UUID,
+                    create_progress_artifact(
+                        progress=percent,
+                        key=PROGRESS_ARTIFACT_KEY,
+                        description="Bytes fetched into the NAS HF cache",
+                    ),
+                )
+            else:
+                update_progress_artifact(self._artifact_id, percent)
             self._last_artifact = now
         if finished or now - self._last_log >= self._log_every_s:
             eta = f"{progress.eta_s:.0f} s" if progress.eta_s is not None else "unknown"
@@ -140,20 +147,9 @@ def prefetch_repos(
         nas_hf_cache,
         "authenticated" if hub.token else "anonymous",
     )
-    artifact_id = cast(
-        UUID,
-        create_progress_artifact(
-            progress=0.0,
-            key=PROGRESS_ARTIFACT_KEY,
-            description="Bytes fetched into the NAS HF cache",
-        ),
-    )
-    outcomes = prefetch(
-        repos, Path(nas_hf_cache), hub, observer=PrefectReporter(logger, artifact_id)
-    )
-    update_progress_artifact(artifact_id, 100.0)
+    outcomes = prefetch(repos, Path(nas_hf_cache), hub, observer=PrefectReporter(logger))
     fetched = sum(o.fetched_bytes for o in outcomes)
-    create_table_artifact(
+    publish_table(
         table=files_table(outcomes),
         key=FILES_ARTIFACT_KEY,
         description=(

@@ -11,13 +11,13 @@ from __future__ import annotations
 import time
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import BootFailed
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.steps.follow_logs import gate_for, wait_until_ready
 from sparkdeploy.steps.readiness_gate import GateResult, ReadinessGate
+from tasks.artifacts import publish_table
 from tasks.common import artifact_key
 
 
@@ -68,7 +68,7 @@ def readiness_gate(plan: Plan, timeout_s: float | None = None) -> GateResult:
         logger.error("%s", error)
         raise
     finally:
-        create_table_artifact(
+        publish_table(
             key=artifact_key("boot-timeline", plan.deployment_id),
             table=timeline_rows(gate, failure),
             description=(

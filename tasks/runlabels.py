@@ -23,23 +23,31 @@ def run_tags(plan: Plan) -> list[str]:
     ]
 
 
-def _update_current(name: str | None, tags: list[str], untag: list[str] | None = None) -> None:
+def label_flow_run(plan: Plan, verb: str = "deploy") -> None:
+    """Name the current flow run `<verb> <recipe> on <cluster> [nodes]` and tag it likewise.
+
+    Called first thing in a run, so the tags it started with (a deployment's, say) are the ones
+    in its context: no need to read them back from the server.
+    """
+    current_id = flow_run.get_id()
+    if current_id is None:
+        return
+    nodes = ",".join(node.node for node in plan.nodes)
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(
+            UUID(current_id),
+            name=f"{verb} {plan.recipe} on {plan.cluster} [{nodes}]",
+            tags=sorted({*flow_run.get_tags(), *run_tags(plan)}),
+        )
+
+
+def tag_flow_run(*tags: str, untag: tuple[str, ...] = ()) -> None:
+    """Add tags to the current flow run (and take `untag` off it)."""
     current_id = flow_run.get_id()
     if current_id is None:
         return
     run_id = UUID(current_id)
     with get_client(sync_client=True) as client:
         current = client.read_flow_run(run_id)
-        kept = {*(current.tags or []), *tags} - set(untag or ())
-        client.update_flow_run(run_id, name=name or current.name, tags=sorted(kept))
-
-
-def label_flow_run(plan: Plan, verb: str = "deploy") -> None:
-    """Name the current flow run `<verb> <recipe> on <cluster> [nodes]` and tag it likewise."""
-    nodes = ",".join(node.node for node in plan.nodes)
-    _update_current(f"{verb} {plan.recipe} on {plan.cluster} [{nodes}]", run_tags(plan))
-
-
-def tag_flow_run(*tags: str, untag: tuple[str, ...] = ()) -> None:
-    """Add tags to the current flow run (and take `untag` off it)."""
-    _update_current(None, list(tags), list(untag))
+        kept = {*(current.tags or []), *tags} - set(untag)
+        client.update_flow_run(run_id, tags=sorted(kept))

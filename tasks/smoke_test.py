@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.steps.smoke_test import SmokeReport, SmokeSettings, run_smoke
+from tasks.artifacts import publish_table
 from tasks.common import artifact_key
 
 AUTO_TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
@@ -66,7 +66,7 @@ def smoke_test(
         dict(settings.chat_template_kwargs) or "none",
     )
     report = run_smoke(settings)
-    create_table_artifact(
+    publish_table(
         key=artifact_key("smoke", plan.deployment_id),
         table=report.table_rows(),
         description=(

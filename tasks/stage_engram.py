@@ -4,7 +4,6 @@ sparkdeploy.steps.stage_engram)."""
 from __future__ import annotations
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
@@ -12,6 +11,7 @@ from sparkdeploy.model.plan import Plan
 from sparkdeploy.node.stage_engram import StagingResult
 from sparkdeploy.steps.stage_engram import stage_engram
 from sparkdeploy.units import human_bytes
+from tasks.artifacts import publish_table
 from tasks.common import artifact_key, retry_only
 
 
@@ -84,7 +84,7 @@ def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
                     "seconds": result.seconds,
                 }
             )
-    create_table_artifact(
+    publish_table(
         key=artifact_key("engram-staging", plan.deployment_id),
         table=rows,
         description=f"Engram sparse copies on the nodes of {plan.deployment_id}",

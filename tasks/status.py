@@ -6,13 +6,13 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from prefect import get_client, task
-from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.project import find_cluster
 from sparkdeploy.report.history import read_history
 from sparkdeploy.steps.status import DeploymentStatus, cluster_status
+from tasks.artifacts import publish_table
 from tasks.common import artifact_key
 
 
@@ -30,7 +30,7 @@ def read_cluster_status(cluster: str) -> list[DeploymentStatus]:
         logger.info("%s", status.line(now, history.get(status.deployment_id)))
     if not statuses:
         logger.info("nothing of ours runs on %s", ", ".join(n.name for n in inventory.nodes))
-    create_table_artifact(
+    publish_table(
         key=artifact_key("status", inventory.name),
         table=[
             row

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import Flow, task
-from prefect.artifacts import create_markdown_artifact
 from prefect.client.schemas.objects import FlowRun
 from prefect.logging import get_run_logger
 from prefect.logging.loggers import flow_run_logger
@@ -19,6 +18,7 @@ from sparkdeploy.model.project import load_plan
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.steps.hold_nodes import give_back, holders, release_nodes
 from sparkdeploy.steps.teardown import TeardownReport, teardown
+from tasks.artifacts import publish_markdown
 from tasks.common import artifact_key, retry_only
 
 
@@ -50,7 +50,7 @@ def teardown_deployment(plan: Plan) -> TeardownReport:
     release_nodes(
         plan.cluster, [node.node for node in plan.nodes], plan.deployment_id, log=logger.info
     )
-    create_markdown_artifact(
+    publish_markdown(
         key=artifact_key("teardown", plan.deployment_id),
         markdown=_excerpt_markdown(report),
         description=f"Container log excerpts of {plan.deployment_id}",

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
@@ -20,6 +19,7 @@ from sparkdeploy.model.project import find_cluster
 from sparkdeploy.steps.hold_nodes import ended_runs, holders
 from sparkdeploy.steps.status import cluster_status
 from sparkdeploy.steps.watchdog import being_deployed, diagnose, node_states
+from tasks.artifacts import publish_markdown
 from tasks.common import artifact_key, retry_only
 
 
@@ -75,7 +75,7 @@ def report_health(plan: Plan, cluster: str, smoke_failure: str | None) -> Health
             )
             health = Health(False, plan.head.node, "smoke_failed", smoke_failure)
         else:
-            create_markdown_artifact(
+            publish_markdown(
                 key=artifact_key("down", plan.deployment_id),
                 markdown=f"```\n{down}\n```",
                 description=f"{plan.deployment_id} is down: {down.node} ({down.kind})",

@@ -21,6 +21,7 @@ from sparkdeploy.errors import BootFailed, SmokeFailed
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.steps.readiness_gate import GateResult
 from sparkdeploy.steps.smoke_test import SmokeReport
+from tasks.artifacts import artifacts_written
 from tasks.common import artifact_key
 from tasks.readiness_gate import readiness_gate
 from tasks.smoke_test import smoke_settings, smoke_test
@@ -38,7 +39,7 @@ ENGINE_FLAGS = (
 SMOKE_OPTIONS = '[smoke]\nchat_template_kwargs = { reasoning_effort = "low" }\nmax_tokens = 256'
 
 
-@flow
+@flow(on_completion=[artifacts_written], on_failure=[artifacts_written])
 def gate_then_smoke(plan: Plan) -> tuple[GateResult, SmokeReport]:
     result = readiness_gate(plan, timeout_s=BOOT_S)
     return result, smoke_test(plan, request_timeout_s=10.0)

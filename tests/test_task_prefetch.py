@@ -28,6 +28,7 @@ from lab.hub import HubServer
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import PrefetchError
 from sparkdeploy.steps.prefetch import RepoOutcome, RepoSpec
+from tasks.artifacts import artifacts_written
 from tasks.prefetch import FILES_ARTIFACT_KEY, PROGRESS_ARTIFACT_KEY, prefetch_repos
 
 TINY = "lab-org/tiny"
@@ -54,7 +55,7 @@ def nas(tmp_path: Path) -> Path:
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 
-@flow
+@flow(on_completion=[artifacts_written], on_failure=[artifacts_written])
 def prefetch_flow(repos: list[RepoSpec], nas: str, endpoint: str) -> list[RepoOutcome]:
     task = prefetch_repos.with_options(retry_delay_seconds=0)
     return task(repos, nas, endpoint=endpoint, max_workers=2)
