@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import signal
 import socket
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 
 from hfcache_layout import cache_repo  # noqa: E402
 
+from lab.processes import stop_process_group  # noqa: E402
 from lab.tinymodel import generate_repo  # noqa: E402
 from sparkdeploy.steps.readiness_gate import GateEvent, ReadinessGate, follow_lines  # noqa: E402
 
@@ -76,12 +76,7 @@ def one_boot(hf_cache: Path) -> tuple[float, float]:
             timeout_s=BOOT_TIMEOUT_S,
         )
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=STOP_TIMEOUT_S)
+        stop_process_group(process, grace_s=STOP_TIMEOUT_S)
     last = next(entry for entry in result.timeline if entry.marker == LAST_MARKER)
     return last.seconds, result.ready_after_s - last.seconds
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lab.processes import stop_process_group
 from sparkdeploy.errors import LabError
 
 POSTGRES_USER = "postgres"
@@ -170,15 +171,10 @@ class PostgresServer:
     def stop(self) -> None:
         """A fast shutdown (SIGINT: running transactions are rolled back), then SIGKILL."""
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
+        if process is None:
             return
         # runuser forwards the signal to postgres and waits for it.
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=STOP_TIMEOUT_S)
+        stop_process_group(process, first_signal=signal.SIGINT, grace_s=STOP_TIMEOUT_S)
 
     def remove(self) -> None:
         """Stopped, and its data directory gone."""

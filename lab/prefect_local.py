@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lab.processes import stop_process_group
 from sparkdeploy.errors import SparkDeployError
 
 WORK_POOL = "sparkdeploy"
@@ -148,7 +148,7 @@ class PrefectServer:
 
     def stop(self) -> None:
         if self._process is not None:
-            _stop_group(self._process)
+            stop_process_group(self._process)
             self._process = None
 
     def __enter__(self) -> PrefectServer:
@@ -316,18 +316,4 @@ def start_worker(
 
 
 def stop_worker(worker: subprocess.Popen[bytes]) -> None:
-    _stop_group(worker)
-
-
-def _stop_group(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    """SIGTERM the process group (the server forks uvicorn; a worker forks flow runs)."""
-    if process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=grace_s)
-    except ProcessLookupError:
-        pass
+    stop_process_group(worker)

@@ -5,7 +5,6 @@ its PID when the `with` block ends."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from hfcache_layout import cache_repo
 
+from lab.processes import stop_process_group
 from lab.tinymodel import generate_repo
 from sparkdeploy.steps.readiness_gate import probe_endpoint
 
@@ -71,9 +71,4 @@ def local_standin(*flags: str, env: Mapping[str, str] | None = None) -> Iterator
                 time.sleep(0.05)
             yield endpoint
         finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=STOP_TIMEOUT_S)
+            stop_process_group(process, grace_s=STOP_TIMEOUT_S)

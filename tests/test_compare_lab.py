@@ -5,7 +5,6 @@ Each leaves nothing running."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,8 @@ from prefect.client.schemas.filters import (
 )
 
 from flows.compare import compare
-from lab.cluster import Lab
-from lab.models import publish_lab_models
 from lab.prefect_local import PROJECT_ROOT
 from sparkdeploy.errors import CompareError
-from sparkdeploy.remote.ssh import close_cached
 from sparkdeploy.steps.benchmark import BenchmarkSettings
 from sparkdeploy.steps.compare import CompareSide, Comparison
 
@@ -43,13 +39,6 @@ LAB_NOISE_FLOOR = 0.5
 # ... and the stand-in's few-millisecond latencies move by several ms with the host's load
 # (seen: a TTFT p90 of 11.6 ms, then 7.4 ms, for the same recipe).
 LAB_LATENCY_FLOOR_MS = 10.0
-
-
-@pytest.fixture(scope="module")
-def cluster(lab_cluster: Lab, lab_engine_image: str) -> Iterator[str]:
-    publish_lab_models(lab_cluster.hub_repos_dir)
-    yield str(lab_cluster.inventory_path)
-    close_cached()
 
 
 @pytest.fixture(autouse=True)

@@ -29,6 +29,7 @@ from lab.cluster import Lab
 from lab.models import publish_lab_models
 from lab.prefect_local import (
     PrefectServer,
+    deploy_run,
     free_port,
     register_deployments,
     register_ensure,
@@ -265,15 +266,7 @@ def watch_until_repaired(
     since = datetime.now().astimezone()
     watchdog = "smoke/watchdog-test"
     try:
-        run_prefect(
-            env,
-            "deployment",
-            "run",
-            "deploy/deploy",
-            *("-p", f"recipe={recipe}", "-p", f"cluster={cluster}", "--watch"),
-            *("--watch-timeout", "900"),
-            timeout=960,
-        )
+        deploy_run(env, recipe, cluster, watch_timeout_s=900)
         register_flow(
             env,
             "flows/smoke.py:smoke",

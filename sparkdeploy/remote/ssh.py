@@ -91,9 +91,25 @@ class Connection:
         check: bool = True,
     ) -> CommandResult:
         """Run argv on the node; RemoteError on a non-zero exit (with check) or the timeout."""
+        argv, command, channel = self._open_channel(
+            "run", argv, "cannot open an SSH channel for `{command}`"
+        )
+        try:
+            return self._exchange(channel, argv, command, timeout, stdin, check)
+        finally:
+            channel.close()
+
+    def _open_channel(
+        self, caller: str, argv: Sequence[str], failure: str
+    ) -> tuple[tuple[str, ...], str, paramiko.Channel]:
+        """(argv as a tuple, its shell command, a new session channel) for `caller`'s argv.
+
+        ValueError for an empty argv; TransientRemoteError when the connection is closed or the
+        channel does not open, `failure` (with `{command}`) saying what could not be done.
+        """
         argv = tuple(argv)
         if not argv:
-            raise ValueError("run() needs a non-empty argv")
+            raise ValueError(f"{caller}() needs a non-empty argv")
         command = shlex.join(argv)
         transport = self._client.get_transport()
         if transport is None or not transport.is_active():
@@ -104,13 +120,13 @@ class Connection:
         try:
             channel = transport.open_session(timeout=self.target.connect_timeout_s)
         except (paramiko.SSHException, OSError) as error:
-            raise TransientRemoteError(
-                f"{self.target}: cannot open an SSH channel for `{command}`: {error}"
-            ) from error
-        try:
-            return self._exchange(channel, argv, command, timeout, stdin, check)
-        finally:
-            channel.close()
+            raise self._channel_failure(failure, command, error) from error
+        return argv, command, channel
+
+    def _channel_failure(
+        self, failure: str, command: str, error: Exception
+    ) -> TransientRemoteError:
+        return TransientRemoteError(f"{self.target}: {failure.format(command=command)}: {error}")
 
     def _exchange(
         self,
@@ -223,26 +239,15 @@ class Connection:
         `LineStream.ended` says which, and
         `LineStream.exit_code` holds the exit status once the command has exited.
         """
-        argv = tuple(argv)
-        if not argv:
-            raise ValueError("stream_lines() needs a non-empty argv")
-        command = shlex.join(argv)
-        transport = self._client.get_transport()
-        if transport is None or not transport.is_active():
-            raise TransientRemoteError(
-                f"{self.target}: the SSH connection is closed; reconnect with"
-                " sparkdeploy.remote.ssh.connect()"
-            )
+        failure = "cannot start `{command}` over SSH"
+        argv, command, channel = self._open_channel("stream_lines", argv, failure)
         try:
-            channel = transport.open_session(timeout=self.target.connect_timeout_s)
             channel.set_combine_stderr(True)
             channel.settimeout(self.target.connect_timeout_s)
             channel.exec_command(command)
             channel.shutdown_write()
         except (paramiko.SSHException, OSError) as error:
-            raise TransientRemoteError(
-                f"{self.target}: cannot start `{command}` over SSH: {error}"
-            ) from error
+            raise self._channel_failure(failure, command, error) from error
         return LineStream(
             channel,
             argv,
