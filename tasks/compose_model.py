@@ -50,7 +50,7 @@ def compose_models_on_nodes(plan: Plan) -> dict[str, ComposeResult]:
             for local, entry in result.hardlinks
         ]
     publish_table(
-        key=artifact_key("composed-model", plan.deployment_id),
+        key=artifact_key("compose-model", plan.deployment_id),
         table=rows,
         description=f"Local files hardlinked into the composed models of {plan.deployment_id}",
     )

@@ -2,8 +2,8 @@
 sparkdeploy.steps.follow_logs).
 
 No retries: a boot that failed is not transient, and waiting again would only hide its cause.
-The boot-timeline artifact is written however the gate ends, so a failed boot shows how far it
-got and what it printed last.
+The readiness-gate artifact (the boot timeline) is written however the gate ends, so a failed
+boot shows how far it got and what it printed last.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def readiness_gate(plan: Plan, timeout_s: float | None = None) -> GateResult:
         raise
     finally:
         publish_table(
-            key=artifact_key("boot-timeline", plan.deployment_id),
+            key=artifact_key("readiness-gate", plan.deployment_id),
             table=timeline_rows(gate, failure),
             description=(
                 f"Boot of {plan.deployment_id} ({plan.recipe} on {plan.cluster}): each marker, "

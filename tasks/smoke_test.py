@@ -67,7 +67,7 @@ def smoke_test(
     )
     report = run_smoke(settings)
     publish_table(
-        key=artifact_key("smoke", plan.deployment_id),
+        key=artifact_key("smoke-test", plan.deployment_id),
         table=report.table_rows(),
         description=(
             f"Smoke test of {plan.served_model_name!r} at {plan.endpoint} ({plan.recipe}): "

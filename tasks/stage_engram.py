@@ -85,7 +85,7 @@ def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
                 }
             )
     publish_table(
-        key=artifact_key("engram-staging", plan.deployment_id),
+        key=artifact_key("stage-engram", plan.deployment_id),
         table=rows,
         description=f"Engram sparse copies on the nodes of {plan.deployment_id}",
     )

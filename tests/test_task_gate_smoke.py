@@ -102,13 +102,13 @@ def test_a_good_boot_writes_its_timeline_and_passes_the_smoke_test(
     plan = deploy(lab_cluster, tmp_path, deployments, nodes=2)
     result, report = gate_then_smoke(plan)
     assert report.passed and {"tool_call", "reasoning"} <= {c.name for c in report.checks}
-    timeline = artifact_rows(artifact_key("boot-timeline", plan.deployment_id))
+    timeline = artifact_rows(artifact_key("readiness-gate", plan.deployment_id))
     assert [row["marker"] for row in timeline] == [entry.marker for entry in result.timeline]
     by_marker = {row["marker"]: row for row in timeline}
     assert by_marker["headless_worker_joined"]["node"] == plan.nodes[1].node
     assert "kv_cache_tokens=" in by_marker["kv_cache_size"]["figures"]
     assert float(by_marker["endpoint_ready"]["seconds"]) == result.ready_after_s
-    smoke_rows = artifact_rows(artifact_key("smoke", plan.deployment_id))
+    smoke_rows = artifact_rows(artifact_key("smoke-test", plan.deployment_id))
     check_rows = [row for row in smoke_rows if row["result"] != "info"]
     assert [row["check"] for row in check_rows] == [check.name for check in report.checks]
     assert {row["result"] for row in check_rows} == {"pass"}
@@ -126,7 +126,7 @@ def test_a_failed_boot_still_has_its_timeline_and_is_not_retried(
         state.result()
     worker = plan.nodes[1].node
     assert (caught.value.node, caught.value.kind) == (worker, "distributed_connect_timeout")
-    timeline = artifact_rows(artifact_key("boot-timeline", plan.deployment_id))
+    timeline = artifact_rows(artifact_key("readiness-gate", plan.deployment_id))
     assert timeline[-1]["marker"] == "FAILED: distributed_connect_timeout"
     assert timeline[-1]["node"] == worker and "trying to connect to" in timeline[-1]["line"]
     assert readiness_gate.retries == 0
@@ -138,6 +138,8 @@ def test_a_bad_engine_fails_the_smoke_test_with_its_table(
     plan = deploy(lab_cluster, tmp_path, deployments, nodes=1, fault="token_loop")
     with pytest.raises(SmokeFailed, match="no_token_loops"):
         gate_then_smoke(plan)
-    rows = {row["check"]: row for row in artifact_rows(artifact_key("smoke", plan.deployment_id))}
+    rows = {
+        row["check"]: row for row in artifact_rows(artifact_key("smoke-test", plan.deployment_id))
+    }
     assert rows["no_token_loops"]["result"] == "FAIL"
     assert "token loop" in rows["no_token_loops"]["evidence"]

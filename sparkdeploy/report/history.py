@@ -57,7 +57,7 @@ def read_history(
     """Each deployment's last smoke test and last health event, in two requests."""
     if not deployment_ids:
         return {}
-    keys = {artifact_key("smoke", dep): dep for dep in deployment_ids}
+    keys = {artifact_key("smoke-test", dep): dep for dep in deployment_ids}
     smokes = {
         keys[str(artifact.key)]: smoke_text(artifact.description, artifact.created, now)
         for artifact in client.read_latest_artifacts(
