@@ -1,4 +1,5 @@
-"""The fault switches (env STANDIN_FAULT) and the fatal lines vLLM prints (docs/recipes.md#markers).
+"""The fault switches (env STANDIN_FAULT) and the fatal lines vLLM prints
+(docs/recipes.md#boot_markers-and-failure_markers).
 
 STANDIN_FAULT is a comma-separated list of `name[:value][@rank[+rank...]]`; `@ranks` limits a
 switch to those node ranks (e.g. `crash@2` crashes node rank 2 only). lab/engine/README.md lists
