@@ -14,10 +14,10 @@ from prefect.logging import get_run_logger
 
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.steps.benchmark import BenchmarkResult, BenchmarkSettings, run_benchmark, save_raw
+from sparkdeploy.steps.smoke_test import SmokeSettings
 from sparkdeploy.vllm.args import argv_flag_value
 from tasks.artifacts import publish_markdown, publish_table
 from tasks.common import artifact_key
-from tasks.smoke_test import head_serve_argv, smoke_settings
 
 MAX_NUM_SEQS_FLAG = "--max-num-seqs"
 
@@ -29,9 +29,9 @@ def benchmark_deployment(
     """The sweep against the deployment's endpoint; the raw results' path is in the chart's
     artifact and the log."""
     logger = get_run_logger()
-    max_num_seqs = argv_flag_value(head_serve_argv(plan), MAX_NUM_SEQS_FLAG)
+    max_num_seqs = argv_flag_value(plan.head_serve_argv, MAX_NUM_SEQS_FLAG)
     result = run_benchmark(
-        smoke_settings(plan),
+        SmokeSettings.for_plan(plan),
         settings,
         max_num_seqs=int(max_num_seqs) if max_num_seqs is not None else None,
         label=label or plan.recipe,

@@ -1,13 +1,11 @@
 """Prefect task: the smoke test of a ready deployment (logic in sparkdeploy.steps.smoke_test).
 
 The checks that depend on the engine's flags (a tool call with --enable-auto-tool-choice,
-reasoning with --reasoning-parser) are chosen from the head's serve argv in the plan. No retries:
-a bad answer is the engine's, not the network's.
+reasoning with --reasoning-parser) are the plan's (Plan.tool_calls_enabled, reasoning_enabled).
+No retries: a bad answer is the engine's, not the network's.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from prefect import task
 from prefect.logging import get_run_logger
@@ -17,37 +15,6 @@ from sparkdeploy.steps.smoke_test import SmokeReport, SmokeSettings, run_smoke
 from tasks.artifacts import publish_table
 from tasks.common import artifact_key
 
-AUTO_TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
-REASONING_PARSER_FLAG = "--reasoning-parser"
-
-
-def head_serve_argv(plan: Plan) -> list[str]:
-    """The head's `vllm serve ...` argv: Ray's exec'd serve, else the container's command."""
-    head = plan.head
-    return head.serve_exec or [*head.container.entrypoint, *head.container.command]
-
-
-def has_flag(argv: Sequence[str], flag: str) -> bool:
-    return any(arg == flag or arg.startswith(f"{flag}=") for arg in argv)
-
-
-def smoke_settings(plan: Plan, *, request_timeout_s: float | None = None) -> SmokeSettings:
-    argv = head_serve_argv(plan)
-    defaults = SmokeSettings(plan.endpoint, plan.served_model_name)
-    return SmokeSettings(
-        plan.endpoint,
-        plan.served_model_name,
-        api_key=plan.api_key,
-        head_node=plan.head.node,
-        chat_template_kwargs=dict(plan.smoke.chat_template_kwargs),
-        tool_calls=has_flag(argv, AUTO_TOOL_CHOICE_FLAG),
-        reasoning=has_flag(argv, REASONING_PARSER_FLAG),
-        max_tokens=plan.smoke.max_tokens or defaults.max_tokens,
-        request_timeout_s=(
-            request_timeout_s or plan.smoke.request_timeout_s or defaults.request_timeout_s
-        ),
-    )
-
 
 @task(name="smoke-test", task_run_name="smoke-test {plan.deployment_id}", retries=0)
 def smoke_test(
@@ -56,7 +23,7 @@ def smoke_test(
     """Every smoke check against the endpoint; a table artifact; SmokeFailed if one failed
     (unless raise_on_failure is off: the compare flow reports a failed check as a result)."""
     logger = get_run_logger()
-    settings = smoke_settings(plan, request_timeout_s=request_timeout_s)
+    settings = SmokeSettings.for_plan(plan, request_timeout_s=request_timeout_s)
     logger.info(
         "smoke test of %r at %s (tool call: %s, reasoning: %s, chat_template_kwargs: %s)",
         settings.served_model_name,

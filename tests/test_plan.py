@@ -286,3 +286,19 @@ def test_the_spec_label_changes_with_what_runs_not_with_how_the_node_is_reached(
         for name, key in (("f", "sk-one"), ("g", "sk-two"))
     ]
     assert keyed[0] == keyed[1] != base
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_the_smoke_checks_the_head_flags_enable_are_the_plans(
+    tmp_path: Path, example: Cluster, backend: str
+) -> None:
+    plain = make_plan(small_recipe(tmp_path, distributed_backend=f'"{backend}"'), example)
+    assert (plain.tool_calls_enabled, plain.reasoning_enabled) == (False, False)
+    flags = (
+        '["--enable_auto_tool_choice", "--tool-call-parser", "hermes", "--reasoning-parser=qwen3"]'
+    )
+    flagged = make_plan(
+        small_recipe(tmp_path, distributed_backend=f'"{backend}"', args=flags), example
+    )
+    assert (flagged.tool_calls_enabled, flagged.reasoning_enabled) == (True, True)
+    assert "lab/tiny" in flagged.head_serve_argv[:3]

@@ -20,11 +20,11 @@ from lab.cluster import Lab
 from sparkdeploy.errors import BootFailed, SmokeFailed
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.steps.readiness_gate import GateResult
-from sparkdeploy.steps.smoke_test import SmokeReport
+from sparkdeploy.steps.smoke_test import SmokeReport, SmokeSettings
 from tasks.artifacts import artifacts_written
 from tasks.common import artifact_key
 from tasks.readiness_gate import readiness_gate
-from tasks.smoke_test import smoke_settings, smoke_test
+from tasks.smoke_test import smoke_test
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 
@@ -84,11 +84,11 @@ def test_smoke_settings_follow_the_head_flags_and_the_recipe(
     with_flags = lab_plan(
         lab_cluster, tmp_path, "flags", nodes=2, args=ENGINE_FLAGS, smoke=SMOKE_OPTIONS
     )
-    settings = smoke_settings(with_flags)
+    settings = SmokeSettings.for_plan(with_flags)
     assert (settings.tool_calls, settings.reasoning) == (True, True)
     assert dict(settings.chat_template_kwargs) == {"reasoning_effort": "low"}
     assert (settings.max_tokens, settings.base_url) == (256, with_flags.endpoint)
-    plain = smoke_settings(lab_plan(lab_cluster, tmp_path, "plain", nodes=1))
+    plain = SmokeSettings.for_plan(lab_plan(lab_cluster, tmp_path, "plain", nodes=1))
     assert (plain.tool_calls, plain.reasoning, dict(plain.chat_template_kwargs)) == (
         False,
         False,

@@ -21,7 +21,11 @@ from sparkdeploy.model.cluster import Cluster, GidIndex, Node, RoceHcas
 from sparkdeploy.model.memory import EngineMemory, FitReport, NodeMemory, read_memory_flags
 from sparkdeploy.model.recipe import MarkerSpec, Recipe, RepoRef, SmokeOptions
 from sparkdeploy.secrecy import API_KEY_ENV, API_KEY_FLAG, Secret
+from sparkdeploy.vllm.args import argv_has_flag
 from sparkdeploy.vllm.markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
+
+AUTO_TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
+REASONING_PARSER_FLAG = "--reasoning-parser"
 
 __all__ = [
     "ComposedPlan",
@@ -181,6 +185,22 @@ class Plan(_Data):
     @property
     def workers(self) -> list[NodePlan]:
         return [node for node in self.nodes if node.role == "worker"]
+
+    @property
+    def head_serve_argv(self) -> list[str]:
+        """The head's `vllm serve ...` argv: Ray's exec'd serve, else its container's command."""
+        head = self.head
+        return head.serve_exec or [*head.container.entrypoint, *head.container.command]
+
+    @property
+    def tool_calls_enabled(self) -> bool:
+        """The engine picks tools on its own (--enable-auto-tool-choice): a tool call is asked."""
+        return argv_has_flag(self.head_serve_argv, AUTO_TOOL_CHOICE_FLAG)
+
+    @property
+    def reasoning_enabled(self) -> bool:
+        """The engine parses reasoning out of the answer (--reasoning-parser)."""
+        return argv_has_flag(self.head_serve_argv, REASONING_PARSER_FLAG)
 
 
 def ssh_spec(cluster: Cluster, node: Node) -> SshSpec:

@@ -185,6 +185,16 @@ def normalise_args(
     return parsed
 
 
+def argv_has_flag(argv: Sequence[str], name: str) -> bool:
+    """Whether flag `name` is in a command line (`--flag`, `--flag value` or `--flag=value`, any
+    spelling vLLM accepts)."""
+    wanted = canonical_flag(name)
+    return any(
+        is_flag(flag) and canonical_flag(flag) == wanted
+        for flag in (token.partition("=")[0] for token in argv)
+    )
+
+
 def argv_flag_value(argv: Sequence[str], name: str) -> str | None:
     """The value of flag `name` in a command line (`--flag value` or `--flag=value`, any
     spelling vLLM accepts), or None when it is absent or has no value."""

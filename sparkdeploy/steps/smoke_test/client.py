@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from sparkdeploy.model.plan import Plan
 from sparkdeploy.remote import engine_http
 
 
@@ -28,6 +29,24 @@ class SmokeSettings:
     burst_size: int = 8
     max_tokens: int = 1024
     request_timeout_s: float = 120.0
+
+    @classmethod
+    def for_plan(cls, plan: Plan, *, request_timeout_s: float | None = None) -> SmokeSettings:
+        """The smoke test of a deployment: its endpoint, the checks its engine's flags enable
+        and its recipe's [smoke] options (request_timeout_s, when given, before the recipe's)."""
+        return cls(
+            plan.endpoint,
+            plan.served_model_name,
+            api_key=plan.api_key,
+            head_node=plan.head.node,
+            chat_template_kwargs=dict(plan.smoke.chat_template_kwargs),
+            tool_calls=plan.tool_calls_enabled,
+            reasoning=plan.reasoning_enabled,
+            max_tokens=plan.smoke.max_tokens or cls.max_tokens,
+            request_timeout_s=(
+                request_timeout_s or plan.smoke.request_timeout_s or cls.request_timeout_s
+            ),
+        )
 
 
 @dataclass(frozen=True)
