@@ -15,7 +15,7 @@ _VARIABLE_PAGE = 200
 _HTTP_BUSY = frozenset({429, 503})
 # How long a lock call retries Prefect's busy answers, and its first wait.
 API_BUSY_RETRY_S = 30.0
-API_BUSY_FIRST_WAIT_S = 0.01
+API_BUSY_FIRST_WAIT_S = 0.05
 
 T = TypeVar("T")
 P = ParamSpec("P")
