@@ -14,14 +14,15 @@ import statistics
 import time
 from pathlib import Path
 
-from lab.cluster import Lab, run
+from lab.cluster import Lab
+from lab.network import netns_pids
 
 MIB = 1024 * 1024
 
 
 def lab_pids(lab: Lab) -> set[int]:
     names = [lab.layout.bridge_netns, *(lab.layout.node_netns(node) for node in lab.nodes)]
-    return {int(pid) for name in names for pid in run(["ip", "netns", "pids", name]).split()}
+    return {pid for name in names for pid in netns_pids(name)}
 
 
 def memory_bytes(pids: set[int]) -> tuple[int, int]:

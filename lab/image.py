@@ -32,8 +32,9 @@ from pathlib import Path, PurePosixPath
 import docker
 from docker.errors import DockerException
 
-from lab.cluster import Lab, run
+from lab.cluster import Lab
 from lab.layout import ENGINE_IMAGE, REPO_ROOT
+from lab.processes import run
 from sparkdeploy.errors import LabError
 from sparkdeploy.model.project import lab_root
 

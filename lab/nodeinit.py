@@ -1,6 +1,6 @@
 """First process of a lab node: private mounts, hostname, dockerd, then it becomes sshd.
 
-Started by lab.cluster as
+Started by lab.daemons as
     nsenter --net=/run/netns/<node netns> -- unshare --mount --uts --propagation private --
         python3 -S -E lab/nodeinit.py NODE_DIR HOSTNAME
 so it already runs in the node's network, mount and UTS namespaces. Stdlib only and no package

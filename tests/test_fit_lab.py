@@ -11,7 +11,8 @@ import pytest
 from lab_flows import nothing_runs
 
 from flows.deploy import deploy
-from lab.cluster import LAB_NODE_MEMORY_GIB, Lab
+from lab.cluster import Lab
+from lab.inventory import LAB_NODE_MEMORY_GIB
 from lab.models import publish_lab_models
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import BootError, DoesNotFit

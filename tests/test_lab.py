@@ -22,6 +22,7 @@ from hfcache_layout import cache_repo
 
 from lab.cluster import Lab
 from lab.layout import FABRIC_NETDEV
+from lab.network import existing_netns
 from lab.tinymodel import generate_repo
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.remote.ssh import Connection, cached_connection, connect, on_all
@@ -74,7 +75,9 @@ def test_down_returns_once_every_process_of_the_lab_has_exited() -> None:
             connection.run(
                 ["sh", "-c", "sleep 300 </dev/null >/dev/null 2>&1 &"], timeout=COMMAND_S
             )
-        netns_inodes = {os.stat(f"/run/netns/{name}").st_ino for name in lab._existing_netns()}
+        netns_inodes = {
+            os.stat(f"/run/netns/{name}").st_ino for name in existing_netns(lab.layout.netns_prefix)
+        }
     finally:
         lab.down()
     assert _running_in(netns_inodes, lab.layout.cgroup_prefix) == []
