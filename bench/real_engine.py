@@ -142,13 +142,13 @@ def main() -> int:
             cluster = str(lab.inventory_path)
             recipe = str(RECIPE.parent)
             plan = load_plan(recipe, cluster)
-            deploy(recipe, cluster=cluster, skip=["smoke"])  # cold: prefetch, pull, compile
+            deploy(recipe, cluster=cluster, skip=["smoke-test"])  # cold: prefetch, pull, compile
             teardown(recipe, cluster=cluster)
             host_boot(plan, engine.python, workdir / "host-warmup")  # the host's compile cache
             for round_number in range(1, options.rounds + 1):
                 host_s = host_boot(plan, engine.python, workdir / f"host-{round_number}")
                 with measured() as usage:
-                    summary = deploy(recipe, cluster=cluster, skip=["smoke"])
+                    summary = deploy(recipe, cluster=cluster, skip=["smoke-test"])
                 teardown(recipe, cluster=cluster)
                 marks = summary.head_markers_s
                 lab_s = marks["endpoint_healthy"]

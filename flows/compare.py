@@ -62,7 +62,7 @@ def compare_side(
         recipe,
         cluster,
         nodes,
-        skip=["smoke"],
+        skip=["smoke-test"],
         lock_timeout_s=lock_timeout_s,
         return_state=True,
     )

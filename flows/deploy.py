@@ -43,9 +43,9 @@ from tasks.stage_engram import stage_engram_on_nodes
 from tasks.summary import publish_summary
 from tasks.teardown import tear_down_abandoned_run
 
-# Steps a deploy may skip, e.g. skip=["prefetch"] when the NAS is known to be complete, or
-# skip=["fit"] for a model the fit check sizes wrongly (docs/field.md#memory-fit).
-Step = Literal["prefetch", "fit", "stage", "image", "compose", "smoke"]
+# Steps a deploy may skip, by their task names, e.g. skip=["prefetch"] when the NAS is known to be
+# complete, or skip=["fit"] for a model the fit check sizes wrongly (docs/field.md#memory-fit).
+Step = Literal["prefetch", "fit", "stage-engram", "image", "compose-model", "smoke-test"]
 # Bringing back a replaced deployment: its nodes are this run's already (given back by the
 # rollback), so holding them again takes no wait.
 BRING_BACK_LOCK_TIMEOUT_S = 60.0
@@ -53,12 +53,12 @@ BRING_BACK_LOCK_TIMEOUT_S = 60.0
 
 def _prepare(plan: Plan, skipped: AbstractSet[str], clock: StepClock) -> None:
     """Engram copies, composed models and the image on every node (each fans out over nodes)."""
-    with clock.step("stage, image, compose"):
+    with clock.step("stage-engram, image, compose-model"):
         # The image comes while the nodes stage and compose.
         image = None if "image" in skipped else ensure_images.submit(plan)
-        if "stage" not in skipped:
+        if "stage-engram" not in skipped:
             stage_engram_on_nodes(plan)
-        if "compose" not in skipped:
+        if "compose-model" not in skipped:
             compose_models_on_nodes(plan)
         if image is not None:
             image.result()
@@ -68,10 +68,10 @@ def _start(plan: Plan, skipped: AbstractSet[str], clock: StepClock) -> GateResul
     """Containers up, ready, smoke-tested."""
     with clock.step("boot"):
         boot_deployment(plan)
-    with clock.step("readiness"):
+    with clock.step("readiness-gate"):
         gate = readiness_gate(plan)
-    if "smoke" not in skipped:
-        with clock.step("smoke"):
+    if "smoke-test" not in skipped:
+        with clock.step("smoke-test"):
             smoke_test(plan)
     return gate
 
@@ -102,7 +102,8 @@ def _already_serving(plan: Plan, running: RunningCopy, clock: StepClock, how: st
 @flow(
     name="deploy",
     flow_run_name="deploy {recipe} on {cluster}",
-    description="Plan, prefetch, fit, stage, image, compose, boot, readiness gate, smoke test.",
+    description="Its steps: plan, prefetch, fit, hold-nodes, stage-engram, image, compose-model, "
+    "boot, readiness-gate, smoke-test.",
     log_prints=False,
     # Cancelled from the UI or `prefect flow-run cancel`, or its process killed: nothing of the
     # run is left running, and its nodes are free.
@@ -188,7 +189,7 @@ def deploy(
             with clock.step("fit"):
                 if fitted is not None:
                     fitted.wait()
-            with clock.step("hold nodes"):
+            with clock.step("hold-nodes"):
                 held.wait()
             if prefetched is not None:
                 prefetched.result()

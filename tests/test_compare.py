@@ -307,7 +307,7 @@ def summary(ready_after_s: float) -> DeploySummary:
         endpoint="http://x",
         served_model_name="m",
         nodes=[],
-        step_seconds={"boot": 2.0, "readiness": ready_after_s},
+        step_seconds={"boot": 2.0, "readiness-gate": ready_after_s},
         ready_after_s=ready_after_s,
         head_markers_s={"weights_loaded": 0.5},
         head_figures={"kv_cache_tokens": 100_000.0, "weights_load_s": 0.4},

@@ -481,7 +481,7 @@ def test_the_registry_down_during_a_pull_is_retried_and_named(
 def test_after_the_node_faults_the_recipe_deploys(cluster: str, lab_cluster: Lab) -> None:
     """The re-run of the three faults above, each cleared (the daemon started again, the
     image gone from node1 pulled anew): they left nothing, so one deploy shows it."""
-    deploys("lab-single", cluster, skip=["smoke"])
+    deploys("lab-single", cluster, skip=["smoke-test"])
     teardown("lab-single", cluster=cluster)
     nothing_left(lab_cluster, cluster)
 
@@ -547,7 +547,7 @@ def test_hub_503s_are_retried_and_the_deploy_recovers(
     failing_at = time.time()
     hub_faults(lab_cluster, fail_next=2, status=503)
     try:
-        run = run_flow(deploy, fault_chat, cluster=cluster, skip=["smoke"])
+        run = run_flow(deploy, fault_chat, cluster=cluster, skip=["smoke-test"])
     finally:
         hub_faults(lab_cluster, reset=True)
     assert run.state.is_completed(), run.state.message
@@ -582,7 +582,7 @@ def test_a_hub_cutting_a_file_mid_way_is_resumed_from_the_byte_it_reached(
     # on which of the parallel downloads the hub serves first.
     hub_faults(lab_cluster, cut_next_file=CUT_AFTER_BYTES)
     try:
-        run = run_flow(deploy, fault_chat, cluster=cluster, skip=["smoke"])
+        run = run_flow(deploy, fault_chat, cluster=cluster, skip=["smoke-test"])
     finally:
         hub_faults(lab_cluster, reset=True)
     assert run.state.is_completed(), run.state.message
@@ -623,7 +623,7 @@ def test_a_hub_serving_wrong_bytes_fails_naming_the_file_and_nothing_corrupt_is_
     shard = sorted((lab_cluster.hub_repos_dir / FAULT_CHAT).glob("*.safetensors"))[0]
     with served_wrong(shard):
         corrupt_at = time.time()
-        run = run_flow(deploy, fault_chat, cluster=cluster, skip=["smoke"])
+        run = run_flow(deploy, fault_chat, cluster=cluster, skip=["smoke-test"])
     assert run.failed
     attempt = run.named("prefetch", node=shard.name, cause="the hub's copy is corrupt")
     assert attempt.final  # a corrupt file is no transient failure: no retry
@@ -649,7 +649,7 @@ def test_the_nas_filling_up_during_the_prefetch_fails_naming_it(
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(storage)], check=True)
     try:
         full_at = time.time()
-        run = run_flow(deploy, fault_chat, cluster=cluster, skip=["smoke"])
+        run = run_flow(deploy, fault_chat, cluster=cluster, skip=["smoke-test"])
         assert run.failed
         attempt = run.named("prefetch", node=str(storage), cause="No space left on device")
         assert_nas_repo_complete_or_absent(lab_cluster, cluster, FAULT_CHAT)
@@ -670,7 +670,7 @@ def test_after_the_hub_and_nas_faults_the_recipe_deploys(
 ) -> None:
     """The re-run of the two faults above that failed (the hub's file restored, the NAS
     unmounted): the prefetch fetches what it lacks and verifies it all."""
-    deploys(fault_chat, cluster, skip=["smoke"])
+    deploys(fault_chat, cluster, skip=["smoke-test"])
     assert_nas_repo_complete_or_absent(lab_cluster, cluster, FAULT_CHAT)
     assert list(nas_repo(cluster, FAULT_CHAT).glob(".sparkdeploy/*.json")), "no manifest"
     teardown(fault_chat, cluster=cluster)
@@ -844,7 +844,7 @@ def test_sshd_killed_mid_staging_is_retried_on_a_new_connection_and_the_copy_res
         lab_cluster.start_daemon("node2/sshd")
 
     with during_staging(lab_cluster, "node2", dests, kill_sshd) as struck:
-        run = run_flow(deploy, fault_dsv41, cluster=cluster, skip=["smoke"])
+        run = run_flow(deploy, fault_dsv41, cluster=cluster, skip=["smoke-test"])
     assert run.state.is_completed(), run.state.message
     attempt = run.named("stage-engram", node="node2", cause="connection (was )?lost")
     assert not attempt.final
@@ -881,7 +881,7 @@ def test_a_node_disk_filling_up_during_staging_fails_naming_it(
 
     try:
         with during_staging(lab_cluster, "node2", dests, fill) as struck:
-            run = run_flow(deploy, fault_dsv41, cluster=cluster, skip=["smoke"])
+            run = run_flow(deploy, fault_dsv41, cluster=cluster, skip=["smoke-test"])
         assert run.failed
         attempt = run.named("stage-engram", node="node2", cause=r"\[no_space\].*disk filled up")
         for dest in dests:
@@ -908,7 +908,7 @@ def test_a_killed_staging_copy_fails_naming_it_and_the_re_run_resumes_it(
         os.kill(pid, signal.SIGKILL)
 
     with during_staging(lab_cluster, "node2", dests, kill) as struck:
-        run = run_flow(deploy, fault_dsv41, cluster=cluster, skip=["smoke"])
+        run = run_flow(deploy, fault_dsv41, cluster=cluster, skip=["smoke-test"])
     assert run.failed
     attempt = run.named("stage-engram", node="node2", cause="killed by a signal")
     assert attempt.final
@@ -921,7 +921,7 @@ def test_a_killed_staging_copy_fails_naming_it_and_the_re_run_resumes_it(
         attempt.at - struck[0],
         BOUND_AT_ONCE_S,
     )
-    rerun = deploys(fault_dsv41, cluster, skip=["smoke"])  # the re-run, after both faults
+    rerun = deploys(fault_dsv41, cluster, skip=["smoke-test"])  # the re-run, after both faults
     assert stage_results(rerun, "node2") & {"copied", "resumed"}
     teardown(fault_dsv41, cluster=cluster)
     nothing_left(lab_cluster, cluster)
@@ -1036,7 +1036,7 @@ class FatalCase:
     label: str
     recipe: str
     kind: str
-    skip: tuple[str, ...] = ("smoke",)
+    skip: tuple[str, ...] = ("smoke-test",)
 
 
 def fatal_cases(tmp_path: Path) -> list[FatalCase]:
@@ -1060,7 +1060,7 @@ def fatal_cases(tmp_path: Path) -> list[FatalCase]:
             recipe_variant(tmp_path, "lab-no-model", SINGLE, missing),
             "model_not_in_offline_cache",
             # The fit step reads the model's config first and says "run the prefetch step".
-            ("prefetch", "fit", "smoke"),
+            ("prefetch", "fit", "smoke-test"),
         )
     )
     return cases
@@ -1120,7 +1120,7 @@ def test_an_engine_crash_on_one_rank_is_named_on_its_node(
     recipe = recipe_variant(
         tmp_path, "lab-two-crash", SINGLE, *TWO_NODES, with_env(STANDIN_FAULT="crash@1")
     )
-    run = run_flow(deploy, recipe, cluster=cluster, skip=["smoke"])
+    run = run_flow(deploy, recipe, cluster=cluster, skip=["smoke-test"])
     kind, seconds = worker_named(run, lab_cluster, cluster, recipe)
     matrix.record(f"engine crash on one rank ({kind})", "readiness-gate", seconds, BOUND_AT_ONCE_S)
 
@@ -1137,7 +1137,7 @@ def test_a_real_oom_kill_is_named_from_dockers_state(
         )
     )
     recipe = recipe_variant(tmp_path, "lab-oom", SINGLE, with_env(STANDIN_FAULT="allocate:512"))
-    run = run_flow(deploy, recipe, cluster=str(capped), skip=["smoke"])
+    run = run_flow(deploy, recipe, cluster=str(capped), skip=["smoke-test"])
     assert run.failed
     error = run.error
     assert isinstance(error, BootFailed), error
@@ -1196,7 +1196,7 @@ def test_a_worker_that_never_joins_is_named(
     in_node2 = ["ip", "netns", "exec", lab_cluster.layout.node_netns("node2"), "ip", "route"]
     subprocess.run([*in_node2, "add", *route], check=True, timeout=10)
     try:
-        run = run_flow(deploy, recipe, cluster=cluster, skip=["smoke"])
+        run = run_flow(deploy, recipe, cluster=cluster, skip=["smoke-test"])
     finally:
         subprocess.run([*in_node2, "del", *route], check=True, timeout=10)
     kind, seconds = worker_named(run, lab_cluster, cluster, recipe)
@@ -1214,7 +1214,7 @@ def test_a_worker_dead_after_ready_is_named_by_the_watchdog(
     """The watchdog re-plans what runs from the recipes it knows, so a recipe of the repo.
     Real vLLM's case: tests/test_real_engine.py::test_two_nodes_deploy_through_prefect_and_
     a_killed_worker_is_named."""
-    deploys("lab-dsv41-3x", cluster, skip=["smoke"])
+    deploys("lab-dsv41-3x", cluster, skip=["smoke-test"])
     worker = load_plan("lab-dsv41-3x", cluster).nodes[1]
     on_node(lab_cluster, "node2", "docker", "kill", worker.container.name)
     killed_at = time.time()
@@ -1303,7 +1303,9 @@ def test_two_deploys_racing_for_overlapping_nodes_never_both_run(
     runs: dict[str, Run] = {}
 
     def race(recipe: str) -> None:
-        runs[recipe] = run_flow(deploy, recipe, cluster=cluster, skip=["smoke"], lock_timeout_s=3)
+        runs[recipe] = run_flow(
+            deploy, recipe, cluster=cluster, skip=["smoke-test"], lock_timeout_s=3
+        )
 
     racers = [threading.Thread(target=race, args=(recipe,)) for recipe in ("lab-single", two_nodes)]
     for racer in racers:
@@ -1334,7 +1336,7 @@ def test_two_deploys_racing_for_overlapping_nodes_never_both_run(
         3 + BOUND_AT_ONCE_S,
         field_note="waits lock_timeout_s (600 s by default; 3 s here)",
     )
-    deploys(lost, cluster, skip=["smoke"])
+    deploys(lost, cluster, skip=["smoke-test"])
     teardown(lost, cluster=cluster)
     nothing_left(lab_cluster, cluster)
 
@@ -1488,7 +1490,7 @@ def test_a_deploy_cancelled_or_killed_under_its_worker_leaves_nothing_in_the_way
         seconds = ended_mid_boot(lab_cluster, cluster, recipe, worker, end, hook)
         matrix.record(fault, detected_by, seconds, BOUND_WORKER_S)
     worker_killed_mid_boot(lab_cluster, cluster, recipe, worker, matrix)
-    deploys("lab-single", cluster, skip=["smoke"], lock_timeout_s=1)
+    deploys("lab-single", cluster, skip=["smoke-test"], lock_timeout_s=1)
     teardown("lab-single", cluster=cluster)
     nothing_left(lab_cluster, cluster)
 
@@ -1510,13 +1512,13 @@ def test_the_lab_rebuilt_under_held_locks_is_taken_over_at_once(
 
     try:
         bring_up()
-        deploys("lab-single", cluster, skip=["smoke"])
+        deploys("lab-single", cluster, skip=["smoke-test"])
         old = holders(rebuilt.name, ["node1"])["node1"]
         assert old is not None
         close_cached()
         rebuilt.down()
         bring_up()
-        run = deploys(other, cluster, skip=["smoke"], lock_timeout_s=60)
+        run = deploys(other, cluster, skip=["smoke-test"], lock_timeout_s=60)
         said, at = next((message, at) for message, at in run.logs if "taking it over" in message)
         assert old.deployment_id in said and str(old.flow_run_id) in said, said
         teardown(other, cluster=cluster)

@@ -74,7 +74,7 @@ def test_a_node_short_of_the_free_memory_the_recipe_wants_is_refused_at_prefligh
     big.write_text(text.replace(declared, "memory_gib = 1000.0"))
     try:
         with pytest.raises(BootError) as refused:
-            deploy("lab-single", cluster=str(big), skip=["smoke"])
+            deploy("lab-single", cluster=str(big), skip=["smoke-test"])
         message = str(refused.value)
         assert "node node1: " in message
         assert "GiB free (MemAvailable) of " in message

@@ -79,7 +79,7 @@ def test_two_nodes_deploy_through_prefect_and_a_killed_worker_is_named(
 
 
 def test_the_fit_check_estimates_the_kv_cache_the_real_engine_makes(cluster: str) -> None:
-    summary = deploy("real-lab-1x", cluster=cluster, skip=["smoke"])
+    summary = deploy("real-lab-1x", cluster=cluster, skip=["smoke-test"])
     teardown("real-lab-1x", cluster=cluster)
     runs = Path(load_cluster(Path(cluster)).nas.runs_dir, summary.deployment_id)
     head_log = max(runs.glob("node1*.log"), key=lambda path: path.stat().st_mtime).read_text()
@@ -119,7 +119,7 @@ def test_a_real_start_up_failure_is_named_and_leaves_nothing(
     cluster: str, tmp_path: Path, name: str, replacement: tuple[str, str], kind: str, evidence: str
 ) -> None:
     recipe = recipe_variant(tmp_path, f"real-{name}", REAL_1X, replacement)
-    skip: list[Step] = ["prefetch", "smoke"]
+    skip: list[Step] = ["prefetch", "smoke-test"]
     if kind == "model_not_in_offline_cache":
         # The fit step reads the model's files from the NAS first and refuses before any
         # boot; skipping it shows what the real engine says when it is started anyway.
@@ -150,7 +150,7 @@ def test_a_worker_that_never_joins_is_named(cluster: str, lab_cluster: Lab, tmp_
     subprocess.run([*in_node2, "add", *route], check=True, timeout=10)
     try:
         with pytest.raises(BootFailed) as failed:
-            deploy(recipe, cluster=cluster, skip=["smoke"])
+            deploy(recipe, cluster=cluster, skip=["smoke-test"])
     finally:
         subprocess.run([*in_node2, "del", *route], check=True, timeout=10)
     assert "node2" in str(failed.value), failed.value
