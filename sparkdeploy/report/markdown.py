@@ -9,7 +9,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list
     """The table's lines; a `|` in a cell is escaped, a line break becomes a space."""
 
     def cells(values: Sequence[str]) -> str:
-        escaped = (" ".join(value.split("\n")).replace("|", "\\|") for value in values)
+        escaped = (" ".join(value.splitlines()).replace("|", "\\|") for value in values)
         return "| " + " | ".join(escaped) + " |"
 
     return [cells(header), cells(["---"] * len(header)), *(cells(row) for row in rows)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shlex
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -127,9 +129,21 @@ class DeploySummary(BaseModel):
             "Try it:",
             "",
             "```",
-            f"curl {self.endpoint}/v1/chat/completions -H 'Content-Type: application/json' "
-            f'-d \'{{"model": "{self.served_model_name}", '
-            f'"messages": [{{"role": "user", "content": "{CANARIES[0].prompt}"}}]}}\'',
+            shlex.join(
+                [
+                    "curl",
+                    f"{self.endpoint}/v1/chat/completions",
+                    "-H",
+                    "Content-Type: application/json",
+                    "-d",
+                    json.dumps(
+                        {
+                            "model": self.served_model_name,
+                            "messages": [{"role": "user", "content": CANARIES[0].prompt}],
+                        }
+                    ),
+                ]
+            ),
             "```",
         ]
         return "\n".join(lines)
