@@ -6,9 +6,12 @@ from datetime import datetime
 
 
 def human_bytes(n: float) -> str:
+    """`512 B`, `1.5 KiB`, ...: the largest unit whose figure, as shown, is below 1024 (so a
+    size just under a unit shows as 1.0 of it, not 1024.0 of the one below)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        shown = f"{n:.0f}" if unit == "B" else f"{n:.1f}"
+        if abs(float(shown)) < 1024 or unit == "TiB":
+            return f"{shown} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

@@ -36,6 +36,14 @@ def test_whole_bytes_have_no_decimals_and_larger_units_one() -> None:
     assert human_bytes(10 * MIB + MIB // 4) == "10.2 MiB"
 
 
+def test_a_size_just_under_a_unit_shows_as_one_of_it() -> None:
+    assert human_bytes(1023.6) == "1.0 KiB"
+    assert human_bytes(MIB - 1) == "1.0 MiB"
+    assert human_bytes(GIB - KIB) == "1.0 GiB"
+    assert human_bytes(-(MIB - 1)) == "-1.0 MiB"
+    assert human_bytes(MIB - 52 * KIB) == "972.0 KiB"
+
+
 def test_sizes_beyond_a_tebibyte_stay_in_tebibytes() -> None:
     assert human_bytes(1 << 50) == "1024.0 TiB"
     assert human_bytes(10**21) == f"{10**21 / TIB:.1f} TiB"
