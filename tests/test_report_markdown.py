@@ -9,14 +9,26 @@ import pytest
 
 from sparkdeploy.report.markdown import markdown_table
 
-# GitHub-flavoured markdown splits a row at every `|` not escaped by a backslash.
-_CELL_BORDER = re.compile(r"(?<!\\)\|")
+# Backslash escapes of ASCII punctuation, as CommonMark reads them inside a cell.
+_PUNCTUATION_ESCAPE = re.compile(r"\\([!-/:-@\[-`{-~])")
 
 
 def cells_of(line: str) -> list[str]:
-    """A row's cells as a GFM renderer reads them: split at unescaped pipes, `\\|` unescaped."""
+    """A row's cells as GitHub's renderer (cmark-gfm) reads them: a backslash and the character
+    after it are one unit, an unpaired `|` ends a cell; then `\\|` is a pipe and the cell's
+    backslash escapes are read."""
     assert line.startswith("| ") and line.endswith(" |"), line
-    return [cell.strip().replace("\\|", "|") for cell in _CELL_BORDER.split(line[2:-2])]
+    cells, cell, rest = [], "", line[2:-2]
+    while rest:
+        if rest[0] == "\\" and len(rest) > 1:
+            cell, rest = cell + rest[:2], rest[2:]
+        elif rest[0] == "|":
+            cells.append(cell)
+            cell, rest = "", rest[1:]
+        else:
+            cell, rest = cell + rest[0], rest[1:]
+    cells.append(cell)
+    return [_PUNCTUATION_ESCAPE.sub(r"\1", c.strip().replace("\\|", "|")) for c in cells]
 
 
 def test_a_table_is_its_header_a_separator_and_a_line_per_row() -> None:
@@ -52,6 +64,13 @@ def test_a_pipe_in_a_cell_is_escaped_and_does_not_split_it() -> None:
     assert lines[2] == "| --x | a\\|b |"
     assert cells_of(lines[2]) == ["--x", "a|b"]
     assert cells_of(lines[3]) == ["||", "| lead and trail |"]
+
+
+def test_a_backslash_in_a_cell_is_kept_before_a_pipe_and_at_the_end() -> None:
+    values = ["a\\|b", "C:\\dir\\", "\\\\|", "x\\"]
+    lines = markdown_table(["value", "end"], [values[:2], values[2:]])
+    assert cells_of(lines[2]) == values[:2]
+    assert cells_of(lines[3]) == values[2:]
 
 
 def test_a_pipe_in_the_header_is_escaped_too() -> None:
