@@ -49,6 +49,9 @@ def _publish(create: Callable[..., object], fields: Mapping[str, Any]) -> None:
     context = contextvars.copy_context()
     future = _writer.submit(context.run, _write, create, fields)
     with _pending_lock:
+        # Written ones are dropped here: a long-lived process that publishes outside our flows
+        # (and so never waits) keeps only the writes still to do.
+        _pending[:] = [pending for pending in _pending if not pending.done()]
         _pending.append(future)
 
 
