@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from uuid import UUID
 
 from lab.cluster import Lab
 from lab.postgres import PostgresServer
@@ -217,18 +218,20 @@ class TeamControlPlane:
             os.killpg(server.pid, signal.SIGKILL)
         server.stop()
 
-    def worker_log(self, ops_host: str) -> str:
-        return (self.workdir / f"worker-{ops_host}.log").read_text(errors="replace")
+    def ran_on(self, flow_run_id: str) -> str | None:
+        """The ops host whose worker took the run (workers are named after their host): the
+        worker that won the run's Pending state labels it before starting its process
+        (`prefect.worker.name`), so a worker whose submission the server aborted never shows."""
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    def ran_on(self, flow_run_id: str) -> list[str]:
-        """The ops hosts whose worker took the run: it submitted it and the server did not
-        abort the submission (another worker had it first)."""
-        return [
-            ops_host
-            for ops_host in self.lab.ops_hosts
-            if f"submitting flow run '{flow_run_id}'" in (log := self.worker_log(ops_host))
-            and f"Aborted submission of flow run '{flow_run_id}'" not in log
-        ]
+        with (
+            temporary_settings({PREFECT_API_URL: self.api_url}),
+            get_client(sync_client=True) as client,
+        ):
+            run = client.read_flow_run(UUID(flow_run_id))
+        name = run.labels.get("prefect.worker.name")
+        return str(name) if name is not None else None
 
     def _spawn(self, what: str, argv: list[str]) -> None:
         with open(self.workdir / f"{what}.log", "ab") as log:

@@ -71,6 +71,46 @@ def team() -> Iterator[TeamControlPlane]:
     assert not lab.remains()
 
 
+@pytest.fixture(autouse=True)
+def leaves_the_lab_clean(team: TeamControlPlane) -> Iterator[None]:
+    """Whatever a test left (a failed one stops half-way): its runs cancelled, its deployments
+    torn down, so that the next test starts on free nodes instead of failing after it."""
+    yield
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled, Cancelling
+
+    going = FlowRunFilter(
+        state=FlowRunFilterState(
+            type=FlowRunFilterStateType(
+                any_=[StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED]
+            )
+        )
+    )
+    now = datetime.now(UTC)
+    with get_client(sync_client=True) as client:
+        unfinished = [
+            run
+            for run in client.read_flow_runs(flow_run_filter=going)
+            # The lab's own schedules' future runs stay.
+            if run.state_type != StateType.SCHEDULED
+            or (run.expected_start_time is not None and run.expected_start_time <= now)
+        ]
+        for run in unfinished:
+            # A run no worker took is cancelled at once; one that runs, by its worker.
+            waiting = run.state_type in {StateType.SCHEDULED, StateType.PAUSED}
+            client.set_flow_run_state(run.id, Cancelled() if waiting else Cancelling(), force=True)
+    wait_until_final([str(run.id) for run in unfinished], timeout_s=300)
+    left = cluster_status(load_cluster(Path(inventory(team))))
+    if left:
+        tear_down(team, [deployment.nodes for deployment in left])
+
+
 def inventory(team: TeamControlPlane) -> str:
     return str(team.lab.inventory_path)
 
@@ -140,8 +180,8 @@ def flow_runs(run_ids: Sequence[str]) -> list[FlowRun]:
         return [client.read_flow_run(UUID(run_id)) for run_id in run_ids]
 
 
-def completed_runs_of(deployment: str) -> list[FlowRun]:
-    """The completed runs of a deployment (`flow/name`) so far."""
+def runs_of(deployment: str, *, completed_only: bool = False) -> list[FlowRun]:
+    """The runs of a deployment (`flow/name`) so far, or its completed ones."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         DeploymentFilter,
@@ -152,20 +192,40 @@ def completed_runs_of(deployment: str) -> list[FlowRun]:
     )
     from prefect.client.schemas.objects import StateType
 
+    completed = FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.COMPLETED]))
+    )
     with get_client(sync_client=True) as client:
         return client.read_flow_runs(
             deployment_filter=DeploymentFilter(
                 name=DeploymentFilterName(any_=[deployment.partition("/")[2]])
             ),
-            flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.COMPLETED]))
-            ),
+            flow_run_filter=completed if completed_only else None,
         )
 
 
+def explained(found: Mapping[str, str]) -> str:
+    """The states, and the end of the log of each run that did not complete: what a failure in
+    CI needs to be understood."""
+    return "\n".join(
+        [f"{found}"]
+        + [
+            f"--- {run} ({state}):\n" + "\n".join(run_logs(run).splitlines()[-40:])
+            for run, state in found.items()
+            if state != "COMPLETED/Completed"
+        ]
+    )
+
+
+def all_completed(run_ids: Sequence[str]) -> None:
+    found = wait_until_final(run_ids)
+    assert found == dict.fromkeys(run_ids, "COMPLETED/Completed"), explained(found)
+
+
 def tear_down(team: TeamControlPlane, node_sets: Sequence[Sequence[str]]) -> None:
-    runs = start_at_once(team, "teardown/teardown", [deploy_params(team, n) for n in node_sets])
-    assert set(wait_until_final(runs).values()) == {"COMPLETED/Completed"}
+    all_completed(
+        start_at_once(team, "teardown/teardown", [deploy_params(team, n) for n in node_sets])
+    )
 
 
 def test_four_deploys_at_once_each_on_its_own_nodes_while_schedules_fire(
@@ -190,42 +250,50 @@ def test_four_deploys_at_once_each_on_its_own_nodes_while_schedules_fire(
             description="the nightly prefetch, often, while the team deploys",
         ),
     ]
-    # The schedules fire on their own before the deploys start, and go on while they run.
-    deadline = time.monotonic() + 180
-    while not all(completed_runs_of(schedule) for schedule in scheduled):
-        assert time.monotonic() < deadline, "the schedules did not fire within 180 s"
-        time.sleep(2)
-    started = datetime.now(UTC)
-    runs = start_at_once(team, "deploy/deploy", [deploy_params(team, n) for n in node_sets])
-    assert wait_until_final(runs) == dict.fromkeys(runs, "COMPLETED/Completed")
-    ended = datetime.now(UTC)
+    try:
+        # The schedules fire on their own before the deploys start, and go on while they run.
+        deadline = time.monotonic() + 180
+        while not all(runs_of(schedule, completed_only=True) for schedule in scheduled):
+            assert time.monotonic() < deadline, "the schedules did not fire within 180 s"
+            time.sleep(2)
+        started = datetime.now(UTC)
+        runs = start_at_once(team, "deploy/deploy", [deploy_params(team, n) for n in node_sets])
+        all_completed(runs)
+        ended = datetime.now(UTC)
 
-    cluster = load_cluster(Path(inventory(team)))
-    running = {tuple(deployment.nodes): deployment for deployment in cluster_status(cluster)}
-    assert sorted(running) == [tuple(nodes) for nodes in node_sets]
-    for nodes in node_sets:
-        deployment = running[tuple(nodes)]
-        assert deployment.healthy, deployment
-        held_by = {h.deployment_id if h else None for h in holders(cluster.name, nodes).values()}
-        assert held_by == {deployment.deployment_id}
-        assert answers_the_canary(load_plan(RECIPE, inventory(team), nodes).endpoint)
-    # Whichever worker was free took each run: both ops hosts took some.
-    taken_by = {run: team.ran_on(run) for run in runs}
-    assert all(len(hosts) == 1 for hosts in taken_by.values()), taken_by
-    assert {host for hosts in taken_by.values() for host in hosts} == set(team.lab.ops_hosts)
+        cluster = load_cluster(Path(inventory(team)))
+        running = {tuple(deployment.nodes): deployment for deployment in cluster_status(cluster)}
+        assert sorted(running) == [tuple(nodes) for nodes in node_sets]
+        for nodes in node_sets:
+            deployment = running[tuple(nodes)]
+            assert deployment.healthy, deployment
+            held = holders(cluster.name, nodes).values()
+            assert {h.deployment_id if h else None for h in held} == {deployment.deployment_id}
+            assert answers_the_canary(load_plan(RECIPE, inventory(team), nodes).endpoint)
+        # Whichever worker was free took each run: both ops hosts took some.
+        taken_by = {run: team.ran_on(run) for run in runs}
+        assert set(taken_by.values()) == set(team.lab.ops_hosts), taken_by
 
-    for schedule in scheduled:
-        while_deploying = [
-            run
-            for run in completed_runs_of(schedule)
-            if run.start_time is not None and started <= run.start_time <= ended
-        ]
-        assert while_deploying, f"no run of {schedule} started while the deploys ran"
-        for run in completed_runs_of(schedule):
-            history = task_history(str(run.id))
-            assert not [task for task in history if "hold-nodes" in task], (schedule, history)
-        run_prefect(team.env(), "deployment", "delete", schedule)
-
+        for schedule in scheduled:
+            # A run that was going while the deploys ran, whenever it started (under load a
+            # schedule's runs queue behind the deploys for a worker slot, and a prefetch waits for
+            # the NAS lock a deploy's prefetch holds): it completes, and holds no node.
+            while_deploying = [
+                str(run.id)
+                for run in runs_of(schedule)
+                if run.start_time is not None
+                and run.start_time <= ended
+                and (run.end_time is None or run.end_time >= started)
+            ]
+            assert while_deploying, f"no run of {schedule} went on while the deploys ran"
+            all_completed(while_deploying)
+            for run in runs_of(schedule, completed_only=True):
+                history = task_history(str(run.id))
+                assert not [task for task in history if "hold-nodes" in task], (schedule, history)
+    finally:
+        # Not left firing into the next tests, whatever this one found.
+        for schedule in scheduled:
+            run_prefect(team.env(), "deployment", "delete", schedule)
     tear_down(team, node_sets)
     nothing_runs(inventory(team))
 
@@ -237,8 +305,10 @@ def test_two_deploys_racing_for_a_node_run_one_after_the_other(team: TeamControl
     )
     deadline = time.monotonic() + DEPLOY_TIMEOUT_S
     while "COMPLETED/Completed" not in (found := states(runs)).values():
-        assert time.monotonic() < deadline, found
-        assert not {state.split("/")[0] for state in found.values()} & (FINAL - {"COMPLETED"})
+        assert time.monotonic() < deadline, explained(found)
+        assert not {state.split("/")[0] for state in found.values()} & (FINAL - {"COMPLETED"}), (
+            explained(found)
+        )
         time.sleep(2)
     [winner] = [run for run, state in found.items() if state == "COMPLETED/Completed"]
     [waiter] = [run for run in runs if run != winner]
@@ -252,7 +322,7 @@ def test_two_deploys_racing_for_a_node_run_one_after_the_other(team: TeamControl
     assert winner_id in logs_once_they_say(waiter, f"waiting for nodes of cluster {TEAM_LAB}")
 
     tear_down(team, [winner_nodes])
-    assert wait_until_final([waiter]) == {waiter: "COMPLETED/Completed"}
+    all_completed([waiter])
     [running] = cluster_status(load_cluster(Path(inventory(team))))
     assert running.nodes == waiter_nodes and running.healthy
     tear_down(team, [waiter_nodes])
@@ -273,12 +343,16 @@ def test_a_deployment_concurrency_limit_queues_the_second_run(team: TeamControlP
     seen: dict[str, set[str]] = {run: set() for run in runs}
     deadline = time.monotonic() + DEPLOY_TIMEOUT_S
     while not all_final(found := states(runs)):
-        assert time.monotonic() < deadline, found
+        assert time.monotonic() < deadline, explained(found)
+        # A run that failed frees the slot: the other must not wait out the whole deadline.
+        assert not {state.split("/")[0] for state in found.values()} & (FINAL - {"COMPLETED"}), (
+            explained(found)
+        )
         assert list(found.values()).count("RUNNING/Running") <= 1, found
         for run, state in found.items():
             seen[run].add(state)
         time.sleep(0.5)
-    assert found == dict.fromkeys(runs, "COMPLETED/Completed")
+    assert found == dict.fromkeys(runs, "COMPLETED/Completed"), explained(found)
     # Prefect's documented behaviour: the later run waits for the slot instead of starting.
     assert any("SCHEDULED/AwaitingConcurrencySlot" in states_seen for states_seen in seen.values())
     first, second = sorted(
@@ -300,7 +374,8 @@ def test_a_deploy_whose_worker_died_is_crashed_and_its_nodes_taken_over(
     while not [t for t in task_history(run) if t.startswith("hold-nodes") and "Completed" in t]:
         assert time.monotonic() < deadline, task_history(run)
         time.sleep(0.5)
-    [ops_host] = team.ran_on(run)
+    ops_host = team.ran_on(run)
+    assert ops_host is not None, explained(states([run]))
     team.lab.lose_ops_host(ops_host)
     deadline = time.monotonic() + 300
     while states([run])[run] != "CRASHED/Crashed":
@@ -329,7 +404,7 @@ def test_an_api_server_killed_mid_deploy_leaves_the_deploy_to_the_other(
         assert time.monotonic() < deadline, task_history(run)
         time.sleep(0.5)
     team.kill_api_server(1)
-    assert wait_until_final([run]) == {run: "COMPLETED/Completed"}
+    all_completed([run])
     history = task_history(run)
     assert [t for t in history if t.startswith("smoke-test ") and t.endswith(": Completed")]
     [running] = cluster_status(load_cluster(Path(inventory(team))))
