@@ -131,11 +131,12 @@ def states(run_ids: Sequence[str]) -> dict[str, str]:
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        return {
-            run_id: (run.state_type.value if run.state_type else "?") + f"/{run.state_name}"
-            for run_id in run_ids
-            for run in [client.read_flow_run(UUID(run_id))]
-        }
+        return {run_id: state_of(client.read_flow_run(UUID(run_id))) for run_id in run_ids}
+
+
+def state_of(run: FlowRun) -> str:
+    """`TYPE/Name`, e.g. `SCHEDULED/AwaitingConcurrencySlot`."""
+    return (run.state_type.value if run.state_type else "?") + f"/{run.state_name}"
 
 
 def all_final(found: Mapping[str, str]) -> bool:
@@ -202,6 +203,17 @@ def runs_of(deployment: str, *, completed_only: bool = False) -> list[FlowRun]:
             ),
             flow_run_filter=completed if completed_only else None,
         )
+
+
+def ran_between(deployment: str, started: datetime, ended: datetime) -> list[FlowRun]:
+    """The deployment's runs that were going at some moment between `started` and `ended`."""
+    return [
+        run
+        for run in runs_of(deployment)
+        if run.start_time is not None
+        and run.start_time <= ended
+        and (run.end_time is None or run.end_time >= started)
+    ]
 
 
 def explained(found: Mapping[str, str]) -> str:
@@ -275,18 +287,20 @@ def test_four_deploys_at_once_each_on_its_own_nodes_while_schedules_fire(
         assert set(taken_by.values()) == set(team.lab.ops_hosts), taken_by
 
         for schedule in scheduled:
-            # A run that was going while the deploys ran, whenever it started (under load a
+            # A run that went on while the deploys ran, whenever it started (under load a
             # schedule's runs queue behind the deploys for a worker slot, and a prefetch waits for
-            # the NAS lock a deploy's prefetch holds): it completes, and holds no node.
-            while_deploying = [
-                str(run.id)
-                for run in runs_of(schedule)
-                if run.start_time is not None
-                and run.start_time <= ended
-                and (run.end_time is None or run.end_time >= started)
-            ]
-            assert while_deploying, f"no run of {schedule} went on while the deploys ran"
-            all_completed(while_deploying)
+            # the NAS lock a deploy's prefetch holds), completes; and no run holds a node.
+            deadline = time.monotonic() + 300
+            while True:
+                overlapping = ran_between(schedule, started, ended)
+                found = {str(run.id): state_of(run) for run in overlapping}
+                if "COMPLETED/Completed" in found.values():
+                    break
+                assert time.monotonic() < deadline, (
+                    f"no run of {schedule} went on and completed while the deploys ran: "
+                    + explained(found)
+                )
+                time.sleep(2)
             for run in runs_of(schedule, completed_only=True):
                 history = task_history(str(run.id))
                 assert not [task for task in history if "hold-nodes" in task], (schedule, history)
