@@ -108,9 +108,8 @@ def leaves_the_lab_clean(team: TeamControlPlane) -> Iterator[None]:
     # Bounded, without failing: a run the server refused to end (its process gone) can stay
     # Cancelling for minutes, and holds no node.
     deadline = time.monotonic() + 120
-    while unfinished and not all_final(states([str(run.id) for run in unfinished])):
-        if time.monotonic() > deadline:
-            break
+    ids = [str(run.id) for run in unfinished]
+    while ids and time.monotonic() < deadline and not all_final(states(ids)):
         time.sleep(2)
     left = cluster_status(load_cluster(Path(inventory(team))))
     if left:
@@ -143,6 +142,10 @@ def states(run_ids: Sequence[str]) -> dict[str, str]:
 def state_of(run: FlowRun) -> str:
     """`TYPE/Name`, e.g. `SCHEDULED/AwaitingConcurrencySlot`."""
     return (run.state_type.value if run.state_type else "?") + f"/{run.state_name}"
+
+
+def ended_without_completing(found: Mapping[str, str]) -> bool:
+    return bool({state.split("/")[0] for state in found.values()} & (FINAL - {"COMPLETED"}))
 
 
 def all_final(found: Mapping[str, str]) -> bool:
@@ -326,9 +329,7 @@ def test_two_deploys_racing_for_a_node_run_one_after_the_other(team: TeamControl
     deadline = time.monotonic() + DEPLOY_TIMEOUT_S
     while "COMPLETED/Completed" not in (found := states(runs)).values():
         assert time.monotonic() < deadline, explained(found)
-        assert not {state.split("/")[0] for state in found.values()} & (FINAL - {"COMPLETED"}), (
-            explained(found)
-        )
+        assert not ended_without_completing(found), explained(found)
         time.sleep(2)
     [winner] = [run for run, state in found.items() if state == "COMPLETED/Completed"]
     [waiter] = [run for run in runs if run != winner]
@@ -365,9 +366,7 @@ def test_a_deployment_concurrency_limit_queues_the_second_run(team: TeamControlP
     while not all_final(found := states(runs)):
         assert time.monotonic() < deadline, explained(found)
         # A run that failed frees the slot: the other must not wait out the whole deadline.
-        assert not {state.split("/")[0] for state in found.values()} & (FINAL - {"COMPLETED"}), (
-            explained(found)
-        )
+        assert not ended_without_completing(found), explained(found)
         assert list(found.values()).count("RUNNING/Running") <= 1, found
         for run, state in found.items():
             seen[run].add(state)
