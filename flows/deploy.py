@@ -166,7 +166,12 @@ def deploy(
     prefetched = (
         None
         if "prefetch" in skipped
-        else prefetch_repos.submit(plan.repos, plan.nas_hf_cache, plan.hub_endpoint)
+        else prefetch_repos.submit(
+            plan.repos,
+            plan.nas_hf_cache,
+            plan.hub_endpoint,
+            allow_http_token=plan.hub_allow_http_token,
+        )
     )
     fitted = (
         None

@@ -25,5 +25,8 @@ def prefetch_all(cluster: str, recipes: str = "*") -> list[RepoOutcome]:
     lab's models)."""
     inventory = load_cluster(find_cluster(cluster))
     return prefetch_repos(
-        repos_of_deployable_recipes(recipes), inventory.nas.hf_cache, inventory.hub.endpoint
+        repos_of_deployable_recipes(recipes),
+        inventory.nas.hf_cache,
+        inventory.hub.endpoint,
+        allow_http_token=inventory.hub.allow_http_token,
     )

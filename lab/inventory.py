@@ -104,7 +104,8 @@ def write_inventory(layout: LabLayout) -> None:
             },
         )
         + "\n"
-        + _toml_table("[hub]", {"endpoint": layout.hub_url})
+        # The lab hub is plain http on the lab's own bridge; its tokens are the lab's.
+        + _toml_table("[hub]", {"endpoint": layout.hub_url, "allow_http_token": True})
         + "\n"
         + _toml_table(
             "[nccl.lab]",

@@ -130,6 +130,7 @@ def prefetch_repos(
     nas_hf_cache: str,
     endpoint: str | None = None,
     max_workers: int = 8,
+    allow_http_token: bool = False,
 ) -> list[RepoOutcome]:
     """Put every repo (at its pinned revision, if any) into the NAS HF cache on the flow host."""
     logger = get_run_logger()
@@ -139,6 +140,7 @@ def prefetch_repos(
         token=token,
         token_source=token_source,
         max_workers=max_workers,
+        allow_http_token=allow_http_token,
     )
     logger.info(
         "prefetch of %d repos from %s into %s (%s)",

@@ -72,7 +72,13 @@ def fetch(
     [outcome] = prefetch(
         [RepoSpec(repo, revision)],
         nas,
-        HubAccess(hub.url, token=token, max_workers=4, retry_backoff_s=0.01),
+        HubAccess(
+            hub.url,
+            token=token,
+            max_workers=4,
+            retry_backoff_s=0.01,
+            allow_http_token=True,  # the lab hub on loopback
+        ),
         **options,
     )
     return outcome

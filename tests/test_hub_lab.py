@@ -73,7 +73,9 @@ def prefetch(
 ) -> tuple[pf.RepoOutcome, Messages]:
     """The repo into the lab's NAS from the lab's hub, as the prefetch task does it."""
     messages = Messages()
-    access = pf.HubAccess(lab.hub_url, token=token, token_source="HF_TOKEN", max_workers=2)
+    access = pf.HubAccess(
+        lab.hub_url, token=token, token_source="HF_TOKEN", max_workers=2, allow_http_token=True
+    )
     [outcome] = pf.prefetch(
         [pf.RepoSpec(repo, revision)], nas_cache(lab), access, observer=messages
     )

@@ -40,7 +40,9 @@ def http_error(status: int, **headers: str) -> HfHubHTTPError:
 
 
 ANONYMOUS = HubAccess("http://127.0.0.1:1")
-WITH_TOKEN = HubAccess("http://127.0.0.1:1", token="hf_x", token_source="HF_TOKEN")
+WITH_TOKEN = HubAccess(
+    "http://127.0.0.1:1", token="hf_x", token_source="HF_TOKEN", allow_http_token=True
+)
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,7 @@ pytestmark = pytest.mark.usefixtures("prefect_harness")
 @flow(on_completion=[artifacts_written], on_failure=[artifacts_written])
 def prefetch_flow(repos: list[RepoSpec], nas: str, endpoint: str) -> list[RepoOutcome]:
     task = prefetch_repos.with_options(retry_delay_seconds=0)
-    return task(repos, nas, endpoint=endpoint, max_workers=2)
+    return task(repos, nas, endpoint=endpoint, max_workers=2, allow_http_token=True)
 
 
 def run_flow(repos: list[RepoSpec], nas: Path, hub: HubServer) -> tuple[list[RepoOutcome], str]:

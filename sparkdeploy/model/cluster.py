@@ -144,6 +144,8 @@ class DockerSettings(_Strict):
 class HubSettings(_Strict):
     # The Hugging Face endpoint the flow host prefetches from; None: HF_ENDPOINT, else the hub.
     endpoint: str | None = None
+    # Send the HF token to a plain-http endpoint (it crosses the network in clear text).
+    allow_http_token: bool = False
 
 
 class InventoryFile(_Strict):

@@ -167,6 +167,7 @@ class Plan(_Data):
     nas_hf_cache: str
     runs_dir: str
     hub_endpoint: str | None  # None: HF_ENDPOINT, else the public hub
+    hub_allow_http_token: bool  # the inventory's [hub].allow_http_token
     docker_image: str
     docker_image_dir: str | None  # built from images/<dir> when set, else pulled
     registry: str | None  # where built images travel from the builder to the other nodes
@@ -484,6 +485,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
         nas_hf_cache=cluster.nas.hf_cache,
         runs_dir=cluster.nas.runs_dir,
         hub_endpoint=cluster.hub.endpoint,
+        hub_allow_http_token=cluster.hub.allow_http_token,
         docker_image=recipe.docker_image,
         docker_image_dir=recipe.docker_image_dir,
         registry=cluster.docker.registry,

@@ -12,6 +12,7 @@ One module per job:
   complete.py    the step: prefetch(), every repo made complete in its order
   hub.py         HubAccess (endpoint, token, timeouts, retries), RepoSpec, a listed file (HubFile)
   revision.py    a revision's commit and files, from one hub call
+  names.py       the hub's names (files, shas) and the recipe's revision checked as safe paths
   hub_errors.py  the hub's refusals as errors that name the fix
   cache.py       the HF cache layout, the manifest, the free-space check
   verify.py      every file checked once against the hub's digests

@@ -8,7 +8,6 @@ list and the ref written. The free space for all of it is checked before anythin
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,14 +27,13 @@ from sparkdeploy.steps.prefetch.cache import (
     write_tree_cache,
 )
 from sparkdeploy.steps.prefetch.download import fetch_files
-from sparkdeploy.steps.prefetch.hub import HubAccess, HubFile, RepoLike
+from sparkdeploy.steps.prefetch.hub import HubAccess, HubFile, RepoLike, check_token_transport
 from sparkdeploy.steps.prefetch.lock import repo_lock
+from sparkdeploy.steps.prefetch.names import check_revision_name, is_commit_sha
 from sparkdeploy.steps.prefetch.progress import Meter, PrefetchObserver, SilentObserver
 from sparkdeploy.steps.prefetch.revision import hub_api, revision_files
 from sparkdeploy.steps.prefetch.verify import check_files
 from sparkdeploy.units import human_bytes
-
-_COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 
 
 @dataclass
@@ -69,12 +67,15 @@ def prefetch(
             f"NAS HF cache dir {cache_dir} does not exist on this host: mount the NAS there or fix "
             "[nas].hf_cache in the cluster inventory"
         )
+    check_token_transport(hub)
+    for ref in repos:
+        check_revision_name(ref)
     api = hub_api(hub)
 
     outcomes: dict[tuple[str, str | None], RepoOutcome] = {}
     pending: list[_Pending] = []
     for ref in _unique(repos):
-        if ref.revision is not None and _COMMIT_SHA.fullmatch(ref.revision):
+        if ref.revision is not None and is_commit_sha(ref.revision):
             sha, files = ref.revision, None  # a pinned commit: the manifest may answer alone
         else:
             sha, files = revision_files(api, ref, hub, observer)

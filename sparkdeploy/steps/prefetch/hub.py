@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from sparkdeploy.errors import PrefetchError
 from sparkdeploy.remote import blobfetch
 
 PUBLIC_HUB = "https://huggingface.co"
@@ -53,6 +54,20 @@ class HubAccess:
     # The longest wait a Retry-After (429 rate limit, 503) gets in place; a longer one fails the
     # call as transient, for the task's own retry. The hub's rate-limit window is 5 minutes.
     max_retry_after_s: float = 300.0
+    # The token crosses a plain-http endpoint in clear text only when the inventory says so
+    # ([hub].allow_http_token: a lab hub, a mirror on a trusted segment).
+    allow_http_token: bool = False
+
+
+def check_token_transport(hub: HubAccess) -> None:
+    """Refuse to send a token to a plain-http hub that the inventory does not allow it for."""
+    if hub.token and hub.endpoint.lower().startswith("http://") and not hub.allow_http_token:
+        raise PrefetchError(
+            f"the hub at {hub.endpoint} is plain http and a token is set ({hub.token_source}):"
+            " it would cross the network in clear text, so nothing was asked of the hub. Use an"
+            " https endpoint, unset the token for a public repo, or, for a hub on a trusted"
+            " network, set [hub].allow_http_token = true in the cluster inventory"
+        )
 
 
 @dataclass(frozen=True)
