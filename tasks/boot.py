@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prefect import task
 from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
 from prefect.transactions import Transaction, get_transaction
 
 from sparkdeploy.model.plan import Plan
@@ -38,6 +39,7 @@ def boot_deployment(plan: Plan) -> BootResult:
             held_by={
                 node: holder.deployment_id if holder else None for node, holder in held.items()
             },
+            started_by=str(flow_run.id) if flow_run.id else None,
             log=logger.info,
         )
     except BaseException:

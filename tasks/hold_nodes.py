@@ -18,7 +18,13 @@ from sparkdeploy.model.plan import Plan
 from sparkdeploy.remote.docker_cli import deployments_present
 from sparkdeploy.remote.node_identity import machine_ids
 from sparkdeploy.remote.targets import plan_targets
-from sparkdeploy.steps.hold_nodes import DEFAULT_TIMEOUT_S, Replaced, acquire_nodes, give_back
+from sparkdeploy.steps.hold_nodes import (
+    DEFAULT_TIMEOUT_S,
+    Replaced,
+    acquire_nodes,
+    give_back,
+    hand_back_to_serving,
+)
 from tasks.boot import KEPT
 from tasks.common import retry_only
 
@@ -74,11 +80,22 @@ def _give_back_nodes(transaction: Transaction) -> None:
     """The deploy failed: the nodes this call took go back to the deployments they were taken
     from (their containers may still run; the deploy brings back those it removed), the others
     are released. Nodes this deployment held already stay held, and all of them while its
-    containers are kept for a look (keep_on_failure)."""
+    containers are kept for a look (keep_on_failure); where an earlier run's copy of it still
+    serves (the failure came before the boot replaced it), by that run again."""
     plan: Plan = transaction.get(_PLAN)
     if transaction.get(KEPT, None) == plan.deployment_id:
         get_run_logger().info("the nodes stay held by %s, kept for a look", plan.deployment_id)
         return
+    nodes = [node.node for node in plan.nodes]
+    present = deployments_present(
+        plan_targets(plan), {node: [plan.deployment_id] for node in nodes}
+    )
+    hand_back_to_serving(
+        plan.cluster,
+        [node for node in nodes if present.get(node)],
+        plan.deployment_id,
+        log=get_run_logger().info,
+    )
     give_back(
         plan.cluster,
         transaction.get(_TAKEN),

@@ -13,10 +13,12 @@ from prefect.states import State
 from prefect.utilities.callables import get_parameter_defaults
 
 from sparkdeploy.errors import TransientRemoteError
+from sparkdeploy.model.labels import STARTED_BY_LABEL
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.model.project import load_plan
+from sparkdeploy.remote.docker_cli import deployments_present
 from sparkdeploy.remote.targets import plan_targets
-from sparkdeploy.steps.hold_nodes import give_back, holders, release_nodes
+from sparkdeploy.steps.hold_nodes import give_back, hand_back_to_serving, holders, release_nodes
 from sparkdeploy.steps.teardown import TeardownReport, teardown
 from tasks.artifacts import publish_markdown
 from tasks.common import artifact_key, retry_only
@@ -66,9 +68,12 @@ def tear_down_abandoned_run(flow: Flow[Any, Any], flow_run: FlowRun, state: Stat
     its own failure path may tear down already; the worker runs this hook after that process
     has ended (SIGKILLed, maybe, before its teardown finished), and also when the process died
     on its own (killed, out of memory: the run is Crashed), outside the run's context: it knows
-    only the run's parameters and plans again from them. It cleans the nodes this run holds
-    and the free ones (a container of this deployment on a free node is an orphan of this run),
-    never a node another run holds (an earlier run of the same recipe may be serving there); a
+    only the run's parameters and plans again from them. On the nodes this run holds it
+    removes only the containers it started itself (labels.STARTED_BY_LABEL): a redeploy of a
+    serving deployment holds its nodes from the start of its prefetch, and the copy an earlier
+    run left serving there must survive its cancel; such a node goes back to the run whose hold
+    it took over (hold_nodes.hand_back_to_serving). On free nodes it removes every container of
+    the deployment (an orphan of this run), and it never touches a node another run holds; a
     node it took from a deployment it was replacing goes back to that one
     (sparkdeploy.steps.hold_nodes.give_back), for the next ensure or replacing deploy to bring
     back. A worker killed alone runs no hook of its own: the flow's process either goes on and
@@ -81,28 +86,44 @@ def tear_down_abandoned_run(flow: Flow[Any, Any], flow_run: FlowRun, state: Stat
     parameters = {**get_parameter_defaults(flow.fn), **flow_run.parameters}
     plan = load_plan(parameters["recipe"], parameters["cluster"], parameters["nodes"])
     by_node = holders(plan.cluster, [node.node for node in plan.nodes])
+    run_id = str(flow_run.id)
     ours = [
-        node
-        for node, holder in by_node.items()
-        if holder is None or holder.flow_run_id == str(flow_run.id)
+        node for node, holder in by_node.items() if holder is None or holder.flow_run_id == run_id
     ]
+    held = [node for node in ours if by_node[node] is not None]
+    targets = {node: target for node, target in plan_targets(plan).items() if node in ours}
     report = teardown(
         plan.deployment_id,
-        {node: target for node, target in plan_targets(plan).items() if node in ours},
+        targets,
         plan.runs_dir,
+        select=lambda node, container: (
+            node not in held or container.labels.get(STARTED_BY_LABEL) == run_id
+        ),
         log=logger.info,
     )
-    held = [node for node in ours if by_node[node] is not None]
+    present = (
+        deployments_present(targets, {node: [plan.deployment_id] for node in held}) if held else {}
+    )
+    serving = [node for node in held if present.get(node)]
+    handed_back = hand_back_to_serving(
+        plan.cluster, serving, plan.deployment_id, flow_run_id=run_id, log=logger.info
+    )
     given = give_back(
-        plan.cluster, held, plan.deployment_id, flow_run_id=str(flow_run.id), log=logger.info
+        plan.cluster,
+        [node for node in held if node not in handed_back],
+        plan.deployment_id,
+        flow_run_id=run_id,
+        log=logger.info,
     )
     released = [node for node, to in given.items() if to is None]
-    handed = [f"{node} to {to}" for node, to in given.items() if to is not None]
+    handed = [f"{node} to {to}" for node, to in given.items() if to is not None] + [
+        f"{node} to the copy of {plan.deployment_id} still serving there" for node in handed_back
+    ]
     removed = ", ".join(f"{c.name} on {c.node}" for c in report.removed) or "no container left"
     others = [node for node in by_node if node not in ours]
     how = "cancelled" if state.is_cancelling() or state.is_cancelled() else "crashed"
     logger.info(
-        f"{how}: tore down {plan.deployment_id} ({removed}) on nodes {', '.join(ours)},"
+        f"{how}: tore down {plan.deployment_id} ({removed}) on nodes {', '.join(ours) or 'none'},"
         f" released {', '.join(released) or 'none (none was still held by this run)'}"
         + (f", gave back {', '.join(handed)}" if handed else "")
         + (f"; left {', '.join(others)} to the deployment holding them" if others else "")

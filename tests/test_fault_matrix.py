@@ -42,6 +42,7 @@ from typing import Any
 import pytest
 from lab_flows import (
     FAULT_MATRIX_TABLE,
+    ask,
     flow_process,
     harness_env,
     nothing_runs,
@@ -1491,6 +1492,62 @@ def test_a_deploy_cancelled_or_killed_under_its_worker_leaves_nothing_in_the_way
         matrix.record(fault, detected_by, seconds, BOUND_WORKER_S)
     worker_killed_mid_boot(lab_cluster, cluster, recipe, worker, matrix)
     deploys("lab-single", cluster, skip=["smoke-test"], lock_timeout_s=1)
+    teardown("lab-single", cluster=cluster)
+    nothing_left(lab_cluster, cluster)
+
+
+def test_a_redeploy_cancelled_during_its_prefetch_leaves_the_serving_copy_held_and_serving(
+    cluster: str, lab_cluster: Lab, worker: Worker, matrix: Matrix
+) -> None:
+    """A second run of a serving deployment takes its node holds over as its prefetch begins
+    (same deployment, the first run has ended). Cancelled while the prefetch waits out the
+    hub's Retry-After, its hook removes only what it started (nothing): the serving containers
+    stay, still answer, and the holds name the run that serves again."""
+    first = worker.submit("lab-single", cluster)
+    assert wait_for_state(first, timeout_s=300).is_completed()
+    plan = load_plan("lab-single", cluster)
+    nodes = [node.node for node in plan.nodes]
+    [serving] = cluster_status(load_cluster(Path(cluster)))
+    assert {holder.flow_run_id for holder in holders(plan.cluster, nodes).values() if holder} == {
+        first
+    }
+    hub_faults(lab_cluster, fail_next=1, status=429, retry_after=240)
+    try:
+        second = worker.submit("lab-single", cluster)
+        wait_for(
+            "the redeploy taking the holds over",
+            lambda: all(
+                holder is not None and holder.flow_run_id == second
+                for holder in holders(plan.cluster, nodes).values()
+            ),
+            timeout_s=120,
+        )
+        cancelled_at = time.time()
+        run_prefect(worker.env, "flow-run", "cancel", second)
+        assert wait_for_state(second).is_cancelled()
+        said, at = logged(second, "cancelled: tore down")
+        # The hold goes back in the run's own rollback (its process got SIGTERM) or, if that
+        # process died first, in the hook.
+        handed, _ = logged(second, f"node {nodes[0]}: {plan.deployment_id} still serves there")
+    finally:
+        hub_faults(lab_cluster, reset=True)
+    assert "no container left" in said, said
+    assert first in handed, handed
+    [after] = cluster_status(load_cluster(Path(cluster)))
+    assert [(c.name, c.started_at, c.status) for c in after.containers] == [
+        (c.name, c.started_at, "running") for c in serving.containers
+    ]
+    assert {holder.flow_run_id for holder in holders(plan.cluster, nodes).values() if holder} == {
+        first
+    }
+    ask(plan.endpoint, plan.served_model_name, "Say OK.")  # the request must succeed
+    matrix.record(
+        "a redeploy of a serving deployment cancelled during its prefetch",
+        "the run's rollback and its on_cancellation hook remove only what the run started",
+        at - cancelled_at,
+        BOUND_WORKER_S,
+        outcome="the serving copy stays up, held by the run that started it",
+    )
     teardown("lab-single", cluster=cluster)
     nothing_left(lab_cluster, cluster)
 

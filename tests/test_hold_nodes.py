@@ -257,6 +257,42 @@ def test_a_live_run_of_the_same_deployment_is_waited_for_an_ended_one_taken_over
     assert release_nodes("same", ["n1"], "dep-same") == ["n1"]
 
 
+def test_a_redeploy_that_ends_while_the_old_copy_serves_hands_the_hold_back_to_its_run(
+    prefect_harness: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A redeploy's takeover records the run it took over from; handed back where the old copy
+    still serves, the record names that run again (since unchanged), and the slot stays taken.
+    A node where nothing of the deployment is left is not handed back."""
+    first, second = _flow_run(Running()), _flow_run(Running())
+    nodes = machines("redo", "n1", "n2")
+    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: first)
+    assert acquire_nodes("redo", nodes, "dep-redo", timeout_s=5) == ["n1", "n2"]
+    before = holders("redo", ["n1", "n2"])
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(UUID(first), Completed(), force=True)
+    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: second)
+    assert acquire_nodes("redo", nodes, "dep-redo", timeout_s=5) == []
+    taken = holders("redo", ["n1", "n2"])
+    assert all(h is not None and h.took_over_from == first for h in taken.values()), taken
+    assert all(h is not None and h.flow_run_id == second for h in taken.values()), taken
+
+    said: list[str] = []
+    assert locks.hand_back_to_serving("redo", ["n1"], "dep-redo", log=said.append) == ["n1"]
+    after = holders("redo", ["n1", "n2"])
+    took, was = taken["n1"], before["n1"]
+    assert took is not None and was is not None
+    assert after["n1"] == dataclasses.replace(took, flow_run_id=first, took_over_from=None)
+    assert after["n1"].since == was.since
+    assert after["n2"] == taken["n2"]
+    assert "dep-redo still serves there" in said[0] and first in said[0], said
+    # Idempotent: the record no longer says this run took it over.
+    assert locks.hand_back_to_serving("redo", ["n1"], "dep-redo") == []
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name(limit_name(nodes["n1"]))
+        assert limit.active_slots == 1
+    assert release_nodes("redo", ["n1", "n2"], "dep-redo") == ["n1", "n2"]
+
+
 def test_limits_are_created_for_new_nodes_beside_existing_ones(prefect_harness: Path) -> None:
     grown = machines("grow", "n1", "n2")
     assert acquire_nodes("grow", machines("grow", "n1"), "dep-g", timeout_s=5) == ["n1"]

@@ -5,7 +5,7 @@ label value is therefore checked against the form sparkdeploy.model.plan gives i
 at all (as part of a log path in teardown, as a recipe name in status, as a deployment to stop
 in boot): deployment `<recipe[:40]>-<8 hex>` (plan.deployment_id), recipe a recipe dir name,
 node the node the container was found on, rank digits. A container whose labels fail is
-reported and left alone.
+reported and left alone. The started-by label is only ever compared with a flow run's id.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ DEPLOYMENT_LABEL = f"{LABEL_PREFIX}deployment"
 RECIPE_LABEL = f"{LABEL_PREFIX}recipe"
 NODE_LABEL = f"{LABEL_PREFIX}node"
 RANK_LABEL = f"{LABEL_PREFIX}rank"
+# The Prefect flow run that started the container: a cancelled or crashed run removes only what
+# it started itself, never the copy an earlier run of its deployment left serving.
+STARTED_BY_LABEL = f"{LABEL_PREFIX}started-by"
 
 # A recipe dir name (recipes/<name>/), like an inventory node name: never a path, never "..".
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkdeploy.errors import BootError
-from sparkdeploy.model.labels import DEPLOYMENT_LABEL, label_problems
+from sparkdeploy.model.labels import DEPLOYMENT_LABEL, STARTED_BY_LABEL, label_problems
 from sparkdeploy.model.plan import NodePlan, Plan
 from sparkdeploy.remote.docker_cli import (
     ContainerInfo,
@@ -347,10 +347,17 @@ def stop_stale(
     return removed
 
 
-def _run(runner: Runner, node: NodePlan, extra_env: Mapping[str, str]) -> str:
+def _run(
+    runner: Runner,
+    node: NodePlan,
+    extra_env: Mapping[str, str],
+    started_by: str | None = None,
+) -> str:
     spec = node.container
     if extra_env:
         spec = spec.model_copy(update={"env": {**spec.env, **extra_env}})
+    if started_by is not None:
+        spec = spec.model_copy(update={"labels": {**spec.labels, STARTED_BY_LABEL: started_by}})
     argv = spec.docker_run_argv()
     if spec.secret_env:
         result = runner.run(
@@ -371,14 +378,19 @@ def _run(runner: Runner, node: NodePlan, extra_env: Mapping[str, str]) -> str:
 
 
 def start_containers(
-    plan: Plan, checks: Mapping[str, NodeCheck], *, log: Log = _LOG.info
+    plan: Plan,
+    checks: Mapping[str, NodeCheck],
+    *,
+    started_by: str | None = None,
+    log: Log = _LOG.info,
 ) -> list[BootedNode]:
-    """The plan's containers started in the order its backend needs (module docstring)."""
+    """The plan's containers started in the order its backend needs (module docstring), each
+    labelled with `started_by` (the flow run starting them) when given."""
     targets = plan_targets(plan)
     head, workers = plan.head, plan.workers
 
     def start(node: NodePlan, runner: Runner) -> BootedNode:
-        container_id = _run(runner, node, checks[node.node].detected_env)
+        container_id = _run(runner, node, checks[node.node].detected_env, started_by)
         log(f"node {node.node}: started {node.container.name} ({container_id[:12]}) as {node.role}")
         return BootedNode(
             node=node.node,
@@ -427,13 +439,15 @@ def boot(
     plan: Plan,
     *,
     held_by: Mapping[str, str | None] | None = None,
+    started_by: str | None = None,
     log: Log = _LOG.info,
 ) -> BootResult:
     """Preflight with stale containers out, then the plan's containers started (module
     docstring).
 
     The caller holds the plan's node locks (sparkdeploy.steps.hold_nodes) for the deployment's life;
-    `held_by` is what they say of each node (stop_stale).
+    `held_by` is what they say of each node (stop_stale). `started_by`: the flow run booting,
+    recorded on its containers (labels.STARTED_BY_LABEL).
     """
     names = [node.node for node in plan.nodes]
     answers = _probe_nodes(plan, names)
@@ -444,7 +458,7 @@ def boot(
         answers.update(_probe_nodes(plan, stale_nodes))
     checks = _judge(plan, answers, log=log)
     started_at = time.time()
-    booted = start_containers(plan, checks, log=log)
+    booted = start_containers(plan, checks, started_by=started_by, log=log)
     return BootResult(
         deployment_id=plan.deployment_id,
         started_at=started_at,

@@ -135,10 +135,12 @@ def teardown(
     runs_dir: str,
     *,
     stop_timeout_s: int = DEFAULT_STOP_TIMEOUT_S,
+    select: Callable[[str, ContainerInfo], bool] = lambda node, container: True,
     log: Log = _LOG.info,
 ) -> TeardownReport:
-    """The deployment's containers on these nodes (give the whole cluster when unsure) removed,
-    their logs saved first. Idempotent."""
+    """The deployment's containers on these nodes (give the whole cluster when unsure) that
+    `select(node, container)` picks (default: all) removed, their logs saved first.
+    Idempotent."""
     if (problem := deployment_id_problem(deployment_id)) is not None:
         raise TeardownError(
             f"cannot tear down: {problem}; give the id a deploy's summary or the status flow shows"
@@ -149,6 +151,7 @@ def teardown(
         f"{DEPLOYMENT_LABEL}={deployment_id}",
         runs_dir,
         stop_timeout_s=stop_timeout_s,
+        select=select,
         log=log,
     )
     for container in removed:

@@ -104,6 +104,7 @@ __all__ = [
     "commit_replacement",
     "ended_runs",
     "give_back",
+    "hand_back_to_serving",
     "holder_decision",
     "holder_variable",
     "holders",
@@ -291,6 +292,43 @@ def give_back(
         if to is not None:
             log(f"node {node}: deployment {deployment_id} gave it back to deployment {to}")
     return given
+
+
+def hand_back_to_serving(
+    cluster: str,
+    serving: Sequence[str],
+    deployment_id: str,
+    *,
+    flow_run_id: str | None = None,
+    log: Callable[[str], None] = _LOG.info,
+) -> list[str]:
+    """Undo a redeploy's takeover where the copy it was to replace still serves: each node of
+    `serving` (as the cluster names them: nodes where containers of `deployment_id` not started
+    by this run are still up) whose record says flow run `flow_run_id` (default: the current
+    one) took it over from an earlier run of the same deployment goes back to that run, its
+    `since` unchanged. Returns the nodes handed back. Idempotent."""
+    run_id = flow_run_id or _current_flow_run_id()
+    wanted = set(serving)
+    back = []
+    with single_attempt_client() as client:
+        for holder in _recorded_holders(client):
+            if (
+                holder.cluster == cluster
+                and holder.node in wanted
+                and (holder.deployment_id, holder.flow_run_id) == (deployment_id, run_id)
+                and holder.took_over_from is not None
+                and holder.replaces is None
+            ):
+                _write_holder(
+                    client,
+                    replace(holder, flow_run_id=holder.took_over_from, took_over_from=None),
+                )
+                back.append(holder.node)
+                log(
+                    f"node {holder.node}: {deployment_id} still serves there; its hold goes back"
+                    f" to flow run {holder.took_over_from}, whose hold this run took over"
+                )
+    return [node for node in serving if node in back]
 
 
 def commit_replacement(

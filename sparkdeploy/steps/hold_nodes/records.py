@@ -63,6 +63,10 @@ class NodeHolder:
     machine_id: str
     # The deployment this one replaced and would hand the node back to, until committed.
     replaces: Replaced | None = None
+    # The ended flow run of this same deployment whose hold this run took over (a redeploy):
+    # while that run's containers still serve, a cancelled or crashed redeploy hands the node
+    # back to it instead of releasing it.
+    took_over_from: str | None = None
 
     def taken_as(self, cluster: str, node: str) -> str:
         """How a message names the holder's own name for the machine, when it is another."""
@@ -102,6 +106,9 @@ def _holder_of(variable: Variable) -> NodeHolder | None:
         cluster=str(value.get("cluster")),
         machine_id=value["machine_id"],
         replaces=Replaced.from_json(value.get("replaces")),
+        took_over_from=(
+            value["took_over_from"] if isinstance(value.get("took_over_from"), str) else None
+        ),
     )
 
 
@@ -142,6 +149,7 @@ def _write_holder(client: SyncPrefectClient, holder: NodeHolder) -> None:
         "machine_id": holder.machine_id,
         # Only while a replacement is under way: a plain holder's record stays as it was.
         **({"replaces": holder.replaces.as_json()} if holder.replaces else {}),
+        **({"took_over_from": holder.took_over_from} if holder.took_over_from else {}),
     }
     try:
         _api(client.create_variable, VariableCreate(name=name, value=value, tags=HOLDER_TAGS))

@@ -62,6 +62,7 @@ def _take_over(
                     cluster,
                     holder.machine_id,
                     replaced,
+                    took_over_from=holder.flow_run_id if same and replaced is None else None,
                 ),
             )
             taken.append(node)
