@@ -14,7 +14,10 @@ A holder that is provably gone is taken over instead of waited for: its flow run
 (Prefect says its state is final, or the run no longer exists) and, for another deployment, no
 container of it is left on the node (asked over SSH by the caller's `containers_on`). A run of
 the same deployment that has ended is a redeploy: its containers are a stale copy of this
-deployment, which boot replaces. Taking over keeps the slot (it passes from the old holder to
+deployment, which boot replaces. The redeploy's record keeps the run it took over from
+(`took_over_from`): a redeploy that fails, is cancelled or crashes before its boot replaced that
+copy hands the node back to that run (hand_back_to_serving), so the hold names the run whose
+containers serve. Taking over keeps the slot (it passes from the old holder to
 the new) and rewrites the record, under a short per-machine mutex (`node-takeover:<machine-id
 prefix>`) so two deploys never both take over one stale holder.
 
