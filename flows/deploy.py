@@ -30,7 +30,7 @@ from tasks.boot import KEEP_ON_FAILURE, boot_deployment
 from tasks.compose_model import compose_models_on_nodes
 from tasks.fit import check_fit
 from tasks.hold_nodes import hold_nodes
-from tasks.image import ensure_images
+from tasks.image import check_image_source, ensure_images
 from tasks.plan import plan_deployment
 from tasks.prefetch import prefetch_repos
 from tasks.readiness_gate import readiness_gate
@@ -160,6 +160,10 @@ def deploy(
             return _already_serving(plan, running, clock, "the smoke test passed")
         if repair_cause is not None:
             start_repair(plan, repair_cause, per_hour=repairs_per_hour)
+    if plan.docker_image_dir is not None and "image" not in skipped:
+        # An image that cannot be built here must already be on the nodes: refused now, not
+        # after a prefetch of maybe hundreds of GB and the hold.
+        check_image_source(plan)
     # Submitted outside the transaction: only what touches the nodes is rolled back. The fit
     # check follows the prefetch (it reads the safetensors headers in the NAS), before anything
     # is put on a node.

@@ -83,7 +83,6 @@ def write_inventory(layout: LabLayout) -> None:
         + _toml_table(
             "[node_paths]",
             {
-                "engram_root": "/var/tmp/engram-local",
                 "composed_root": "/var/tmp/sparkdeploy/composed",
             },
         )

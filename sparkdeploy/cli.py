@@ -17,7 +17,13 @@ import typer
 from sparkdeploy.errors import FitError, SparkDeployError
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.plan import NodePlan, Plan
-from sparkdeploy.model.project import find_recipe, load_plan
+from sparkdeploy.model.project import (
+    find_image_dir,
+    find_recipe,
+    image_dir_fix,
+    load_plan,
+    missing_image_dir_problem,
+)
 from sparkdeploy.model.recipe import load_recipe, recipe_paths
 from sparkdeploy.report.recipe_diff import diff_recipes
 from sparkdeploy.secrecy import MASK
@@ -50,17 +56,17 @@ def _default_paths(root: Path) -> list[Path]:
     return recipe_paths(root / "recipes") + sorted((root / "clusters").glob("*.toml"))
 
 
-def _problems_of(path: Path, check_files: bool) -> list[str]:
+def _problems_of(path: Path, check_files: bool, root: Path) -> list[str]:
     if path.is_dir():
         path = path / "recipe.toml"
     try:
         if _is_inventory(path):
             cluster = load_cluster(path)
             return cluster.missing_files() if check_files else []
-        load_recipe(path)
+        missing_dir = missing_image_dir_problem(path, load_recipe(path), root)
     except SparkDeployError as exc:
         return str(exc).splitlines()
-    return []
+    return [missing_dir] if missing_dir else []
 
 
 @app.command()
@@ -81,9 +87,12 @@ def validate(
     ] = True,
     root: RootOption = Path("."),
 ) -> None:
-    """Check recipes and inventories; print one line per problem; exit 1 on any."""
+    """Check recipes and inventories; print one line per problem; exit 1 on any.
+
+    A recipe's docker_image_dir must be a build context under the root's images/.
+    """
     targets = list(paths) if paths else _default_paths(root)
-    problems = [line for path in targets for line in _problems_of(path, check_files)]
+    problems = [line for path in targets for line in _problems_of(path, check_files, root)]
     for line in problems:
         typer.echo(line)
     typer.echo(f"checked {len(targets)} files: {len(problems)} problems", err=True)
@@ -144,7 +153,19 @@ def _with_fit(plan: Plan) -> tuple[Plan, str | None]:
         return plan, str(exc)
 
 
-def _plan_text(plan: Plan, fit_unchecked: str | None) -> str:
+def _image_text(plan: Plan, root: Path) -> list[str]:
+    if plan.docker_image_dir is None:
+        return [f"# image {plan.docker_image}: pulled on the nodes that lack it"]
+    if find_image_dir(plan.docker_image_dir, root) is not None:
+        return [f"# image {plan.docker_image}: built from images/{plan.docker_image_dir}"]
+    return [
+        f"# WARNING: images/{plan.docker_image_dir} is not here, so {plan.docker_image} cannot be"
+        " built: a deploy uses it only if every node holds it with one image ID, and refuses"
+        f" before the prefetch otherwise; {image_dir_fix(plan.docker_image_dir, plan.docker_image)}"
+    ]
+
+
+def _plan_text(plan: Plan, fit_unchecked: str | None, root: Path) -> str:
     out = [
         f"# deployment {plan.deployment_id}: recipe {plan.recipe} on cluster {plan.cluster}",
         f"# endpoint {plan.endpoint}  served model {plan.served_model_name}  "
@@ -157,6 +178,7 @@ def _plan_text(plan: Plan, fit_unchecked: str | None) -> str:
     ]
     if plan.blocked:
         out.insert(1, f"# BLOCKED (a deploy refuses to start): {plan.blocked}")
+    out += _image_text(plan, root)
     out += _fit_text(plan, fit_unchecked)
     for node in plan.nodes:
         ssh = node.ssh
@@ -209,7 +231,9 @@ def plan(
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
     result, fit_unchecked = _with_fit(result)
-    typer.echo(result.model_dump_json(indent=2) if as_json else _plan_text(result, fit_unchecked))
+    typer.echo(
+        result.model_dump_json(indent=2) if as_json else _plan_text(result, fit_unchecked, root)
+    )
 
 
 @app.command()

@@ -8,8 +8,7 @@ from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.model.plan import Plan
-from sparkdeploy.model.project import find_image_dir
-from sparkdeploy.steps.image import build_context
+from sparkdeploy.steps.image import build_context, image_source
 from sparkdeploy.steps.readiness_gate import probe_endpoint
 from sparkdeploy.steps.running_copy import RunningCopy, judge_running_copy, node_facts
 from sparkdeploy.steps.status import HEALTH_TIMEOUT_S
@@ -26,11 +25,9 @@ from tasks.common import retry_only
 def check_running_copy(plan: Plan) -> RunningCopy:
     """absent, different (recipe, revisions or image changed), unhealthy, or serving as planned."""
     facts = node_facts(plan)
-    context = (
-        build_context(find_image_dir(plan.docker_image_dir)).digest
-        if plan.docker_image_dir
-        else None
-    )
+    # An image built elsewhere (its docker_image_dir not in this checkout) is judged by its ID.
+    image_dir, _ = image_source(plan.recipe, plan.docker_image_dir)
+    context = build_context(image_dir).digest if image_dir else None
     found = any(node.containers for node in facts.values())
     outcome = (
         probe_endpoint(

@@ -228,6 +228,15 @@ RECIPE_CASES: dict[str, tuple[list[Edit], list[list[str]]]] = {
         [('name = "Tiny test recipe"', 'name = "Tiny test recipe'), ("required_nodes = 2", "x")],
         [[":2:8: the string opened on line 2 is never closed", "checked once this is fixed"]],
     ),
+    "image-dir-outside-images": (
+        [
+            (
+                'docker_image = "lab/vllm-standin:latest"',
+                'docker_image = "x"\ndocker_image_dir = "../x"',
+            )
+        ],
+        [[":4: docker_image_dir '../x' must name a directory under images/"]],
+    ),
     "key-set-twice": (
         [("required_nodes = 2", "required_nodes = 2\nrequired_nodes = 3")],
         [[":6:1: key 'required_nodes' is set twice (first on line 5)", "keep one"]],
@@ -386,8 +395,25 @@ INVENTORY_CASES: dict[str, tuple[list[Edit], list[list[str]]]] = {
         [[":31: nas.hf_cache 'nas/hf-cache' must be an absolute path"]],
     ),
     "relative-node-path": (
-        [('engram_root = "/var/tmp/engram-local"', 'engram_root = "engram"')],
-        [[":35: node_paths.engram_root 'engram' must be an absolute path"]],
+        [('composed_root = "/var/tmp/sparkdeploy/composed"', 'composed_root = "composed"')],
+        [[":35: node_paths.composed_root 'composed' must be an absolute path"]],
+    ),
+    # A key inventories had and no longer read: refused with what to do, the rest still checked.
+    "engram-root-not-read": (
+        [
+            (
+                'composed_root = "/var/tmp/sparkdeploy/composed"',
+                'engram_root = "/var/tmp/engram-local"\ncomposed_root = "composed"',
+            )
+        ],
+        [
+            [
+                ":35: node_paths.engram_root is not read:",
+                "[[composed_model.local_files]] host path",
+                "remove the key",
+            ],
+            [":36: node_paths.composed_root 'composed' must be an absolute path"],
+        ],
     ),
     "key-in-wrong-table": (
         [('user = "root"', 'user = "root"\nfabric_netdev = "eth0"')],
@@ -415,11 +441,11 @@ INVENTORY_CASES: dict[str, tuple[list[Edit], list[list[str]]]] = {
     ),
     "profile-per-node-var": (
         [('NCCL_IB_DISABLE = "0"', 'NCCL_IB_HCA = "mlx5_0"')],
-        [[":45: nccl.ds4.NCCL_IB_HCA is set per node", "remove it from the profile"]],
+        [[":44: nccl.ds4.NCCL_IB_HCA is set per node", "remove it from the profile"]],
     ),
     "profile-bad-variable": (
         [('NCCL_IB_DISABLE = "0"', '"NCCL IB" = "0"')],
-        [[":45: nccl.ds4: 'NCCL IB' is not an env variable name"]],
+        [[":44: nccl.ds4: 'NCCL IB' is not an env variable name"]],
     ),
     "no-netdev": (
         [('fabric_netdev = "enp1s0f1np1"\n', "")],
@@ -446,8 +472,8 @@ INVENTORY_CASES: dict[str, tuple[list[Edit], list[list[str]]]] = {
         ],
         [
             [":21: fabric_ip 10.77.0.11 is already used"],
-            [":38: unknown key 'dokcer': did you mean 'docker'?"],
-            [":45: nccl.ds4.VLLM_HOST_IP is set per node"],
+            [":37: unknown key 'dokcer': did you mean 'docker'?"],
+            [":44: nccl.ds4.VLLM_HOST_IP is set per node"],
         ],
     ),
 }

@@ -43,6 +43,30 @@ def test_validate_checks_identity_files_unless_told_not_to(tmp_path: Path) -> No
     assert runner.invoke(app, ["validate", "--no-check-files", str(inventory)]).exit_code == 0
 
 
+def test_validate_refuses_a_docker_image_dir_not_under_images(tmp_path: Path) -> None:
+    recipe = tmp_path / "recipes" / "hand-built" / "recipe.toml"
+    recipe.parent.mkdir(parents=True)
+    recipe.write_text(
+        (ROOT / "recipes" / "lab-single" / "recipe.toml")
+        .read_text()
+        .replace(
+            'docker_image = "lab/vllm-standin:latest"\n',
+            'docker_image = "glm:local"\ndocker_image_dir = "glm-r27"\n',
+        )
+    )
+    line = recipe.read_text().splitlines().index('docker_image_dir = "glm-r27"') + 1
+    refused = runner.invoke(app, ["validate", "--root", str(tmp_path)])
+    assert refused.exit_code == 1
+    [problem] = refused.stdout.splitlines()
+    assert problem.startswith(f"{recipe}:{line}: docker_image_dir 'glm-r27': ")
+    assert f"{tmp_path}/images/glm-r27/Dockerfile does not exist" in problem
+    assert "add the image's build context (with its Dockerfile) at images/glm-r27/" in problem
+    assert "remove docker_image_dir to use glm:local as the nodes hold it" in problem
+    (tmp_path / "images" / "glm-r27").mkdir(parents=True)
+    (tmp_path / "images" / "glm-r27" / "Dockerfile").write_text("FROM scratch\n")
+    assert runner.invoke(app, ["validate", "--root", str(tmp_path)]).exit_code == 0
+
+
 def test_validate_with_nothing_to_check_fails(tmp_path: Path) -> None:
     result = runner.invoke(app, ["validate", "--root", str(tmp_path)])
     assert result.exit_code == 1
@@ -56,6 +80,9 @@ def test_plan_prints_a_readable_docker_run_per_node() -> None:
     assert result.exit_code == 0, result.output
     commands = [block for block in result.stdout.split("\n\n") if "docker run" in block]
     assert len(commands) == 4
+    assert "# image eugr/spark-vllm-b12x:nightly-20260913: pulled on the nodes that lack it" in (
+        result.stdout
+    )
     for rank, block in enumerate(commands):
         assert f"# node dgx{rank + 1}: rank {rank}" in block
         argv = shlex.split(block[block.index("docker run") :].replace("\\\n", " "))
@@ -91,7 +118,7 @@ def test_plan_shows_the_blocked_reason_and_ray_exec(tmp_path: Path) -> None:
     recipe_dir.mkdir(parents=True)
     (recipe_dir / "recipe.toml").write_text(
         'name = "tiny [BLOCKED]"\ndocker_image = "img"\nmodel = "lab/tiny"\nrequired_nodes = 2\n'
-        'tensor_parallel_size = 2\ndistributed_backend = "ray"\n'
+        'tensor_parallel_size = 2\ndistributed_backend = "ray"\ndocker_image_dir = "not-here"\n'
     )
     result = runner.invoke(
         app, ["plan", "tiny-ray", "--cluster", "dgx-spark-4", "--root", str(tmp_path)]
@@ -100,6 +127,7 @@ def test_plan_shows_the_blocked_reason_and_ray_exec(tmp_path: Path) -> None:
     assert (
         "# BLOCKED (a deploy refuses to start): the recipe's name says [BLOCKED]" in result.stdout
     )
+    assert "# WARNING: images/not-here is not here, so img cannot be built" in result.stdout
     assert "docker exec sparkdeploy-tiny-ray-" in result.stdout
     assert "    --distributed-executor-backend ray" in result.stdout
 

@@ -45,7 +45,6 @@ hf_cache = "/srv/nas/hf-cache"
 runs_dir = "/srv/nas/runs"
 
 [node_paths]
-engram_root = "/var/tmp/engram-local"
 composed_root = "/var/tmp/sparkdeploy/composed"
 
 [docker]

@@ -33,7 +33,7 @@ STANDIN = Path(__file__).resolve().parents[1] / "lab" / "engine" / "vllm_standin
 class Layout:
     hf_cache: Path
     snapshot: Path
-    engram_root: Path
+    local_dir: Path
     local_files: list[Path]
     root: Path
 
@@ -42,16 +42,16 @@ class Layout:
 def layout(tmp_path: Path) -> Layout:
     repo = generate_repo(tmp_path / "repos", REPO, engram=EngramSpec(n_heads=3), tp_size=3)
     snapshot = cache_repo(repo, tmp_path / "nas")
-    engram_root = tmp_path / "var-tmp" / "engram-local"
-    engram_root.mkdir(parents=True)
+    local_dir = tmp_path / "var-tmp" / "engram-local"
+    local_dir.mkdir(parents=True)
     local_files = []
     for shard in repo.engram_shards.values():
-        local = engram_root / shard
+        local = local_dir / shard
         # Stands in for the staged sparse copy: any regular file of that name.
         local.write_bytes(b"rank-local " + shard.encode())
         local_files.append(local)
     root = tmp_path / "var-tmp" / "composed" / "tiny"
-    return Layout(tmp_path / "nas", snapshot, engram_root, local_files, root)
+    return Layout(tmp_path / "nas", snapshot, local_dir, local_files, root)
 
 
 def run(layout: Layout, *, revision: str | None = None) -> compose.ComposeResult:
@@ -83,7 +83,7 @@ def test_snapshot_symlinks_to_the_nas_and_local_files_win(layout: Layout) -> Non
     for entry in snapshot.iterdir():
         if entry.name in local_names:
             assert not entry.is_symlink()
-            assert entry.stat().st_ino == (layout.engram_root / entry.name).stat().st_ino
+            assert entry.stat().st_ino == (layout.local_dir / entry.name).stat().st_ino
         else:
             assert os.readlink(entry) == str(layout.snapshot / entry.name)
     refs = layout.root / "models--lab-org--TinyEngram" / "refs" / "main"
@@ -158,7 +158,8 @@ def test_hardlink_across_mounts_names_both_paths_and_the_fix(layout: Layout) -> 
     message = str(raised.value)
     assert str(moved) in message
     assert str(composed_snapshot(layout) / moved.name) in message
-    assert "composed_root and engram_root on one filesystem and one mount" in message
+    assert "[[composed_model.local_files]] host path and the inventory's" in message
+    assert "node_paths.composed_root on one filesystem and one mount" in message
     assert not layout.root.exists()
 
 
@@ -172,7 +173,7 @@ def test_missing_local_file_says_run_staging(layout: Layout) -> None:
 
 
 def test_local_file_that_replaces_nothing_is_an_error(layout: Layout) -> None:
-    stray = layout.engram_root / "model-99999-of-99999.safetensors"
+    stray = layout.local_dir / "model-99999-of-99999.safetensors"
     stray.write_bytes(b"x")
     layout.local_files.append(stray)
     with pytest.raises(ComposeError, match=r"\[unmatched_local\].*model-99999"):
@@ -215,12 +216,12 @@ def test_engine_standin_boots_offline_from_staged_and_composed_dirs(tmp_path: Pa
     cache_repo(repo, nas)
     roots = []
     for rank in range(3):
-        engram_root = tmp_path / f"node{rank}" / "engram-local"
+        local_dir = tmp_path / f"node{rank}" / "engram-local"
         stages = [
             EngramStage(
                 repo=RepoRef(repo=REPO),
                 filename=shard,
-                dest=str(engram_root / shard),
+                dest=str(local_dir / shard),
                 ranks=[rank],
                 tp_size=3,
             )

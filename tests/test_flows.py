@@ -7,15 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lab_flows import ask, harness_env, lab_worker, nothing_runs
+from lab_flows import ask, harness_env, lab_worker, nothing_runs, recipe_variant
 
 from flows.deploy import deploy
 from flows.prefetch_all import prefetch_all
 from lab.prefect_local import deploy_run, deployment_run
-from sparkdeploy.errors import RecipeBlocked
+from sparkdeploy.errors import ImageError, RecipeBlocked
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.project import load_plan
 from sparkdeploy.steps.status import cluster_status
+
+ROOT = Path(__file__).parent.parent
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 
@@ -45,6 +47,23 @@ def test_blocked_recipe_is_refused_quoting_its_reason(cluster: str) -> None:
     with pytest.raises(RecipeBlocked, match="GLM MLA parent-page stride") as refused:
         deploy("glm53-flash-r27-dflash2", cluster=cluster)
     assert "allow_blocked" in str(refused.value)
+    nothing_runs(cluster)
+
+
+def test_an_image_neither_buildable_here_nor_on_the_nodes_is_refused_before_the_prefetch(
+    cluster: str, tmp_path: Path
+) -> None:
+    recipe = recipe_variant(
+        tmp_path,
+        "hand-built",
+        ROOT / "recipes" / "lab-single" / "recipe.toml",
+        ('docker_image = "lab/vllm-standin:latest"', 'docker_image = "lab/hand-built:1"'),
+        ('model = "lab/tiny-chat"', 'model = "lab/never-fetched"\ndocker_image_dir = "not-here"'),
+    )
+    # The model does not exist on the lab's hub: a prefetch that started would fail otherwise.
+    with pytest.raises(ImageError, match="recipe hand-built: lab/hand-built:1") as refused:
+        deploy(recipe, cluster=cluster)
+    assert "missing on node1. Fix:" in str(refused.value)
     nothing_runs(cluster)
 
 

@@ -14,8 +14,12 @@ from sparkdeploy.remote.docker_cli import registry_error
 from sparkdeploy.remote.ssh import CommandResult, cached_connection
 from sparkdeploy.steps.image import (
     CONTEXT_LABEL,
+    BuiltElsewhere,
     build_context,
+    built_elsewhere_refusal,
+    check_built_elsewhere,
     ensure_image,
+    image_source,
     registry_reference,
     same_image_id,
 )
@@ -79,6 +83,43 @@ def test_build_context_digest_follows_content_not_mtime(tmp_path: Path) -> None:
 def test_build_context_needs_a_dockerfile(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match="no Dockerfile"):
         build_context(tmp_path)
+
+
+def test_image_source_is_a_build_context_here_or_built_elsewhere(tmp_path: Path) -> None:
+    assert image_source("r", None, tmp_path) == (None, None)
+    (tmp_path / "images" / "here").mkdir(parents=True)
+    (tmp_path / "images" / "here" / "Dockerfile").write_text("FROM scratch\n")
+    assert image_source("r", "here", tmp_path) == (tmp_path / "images" / "here", None)
+    # A directory without a Dockerfile is no build context either.
+    (tmp_path / "images" / "empty").mkdir()
+    for missing in ("empty", "elsewhere"):
+        assert image_source("r", missing, tmp_path) == (
+            None,
+            BuiltElsewhere("r", missing, tmp_path / "images" / missing),
+        )
+
+
+ELSEWHERE = BuiltElsewhere("glm53", "glm-r27", Path("/srv/sparkdeploy/images/glm-r27"))
+
+
+def test_an_image_built_elsewhere_on_every_node_with_one_id_is_used() -> None:
+    ids = {"node1": "sha256:a", "node2": "sha256:a"}
+    assert built_elsewhere_refusal("glm:local", ids, ELSEWHERE) is None
+
+
+def test_an_image_built_elsewhere_missing_or_odd_on_a_node_is_refused() -> None:
+    ids = {"node1": "sha256:a", "node2": None, "node3": "sha256:b", "node4": None}
+    refusal = built_elsewhere_refusal("glm:local", ids, ELSEWHERE)
+    assert refusal is not None
+    assert refusal.startswith("recipe glm53: glm:local cannot be built here")
+    assert "docker_image_dir 'glm-r27' names /srv/sparkdeploy/images/glm-r27" in refusal
+    assert "missing on node2, node4" in refusal
+    assert "different images on node1 (sha256:a), node3 (sha256:b)" in refusal
+    assert "at images/glm-r27/, or remove docker_image_dir" in refusal
+    assert "or put glm:local on every node by hand" in refusal
+    nowhere = built_elsewhere_refusal("glm:local", {"node1": None}, ELSEWHERE)
+    assert nowhere is not None and "missing on node1;" not in nowhere
+    assert "missing on node1. Fix:" in nowhere
 
 
 def _remove_image(lab: Lab, node: str, image: str) -> None:
@@ -187,3 +228,40 @@ def test_unknown_image_is_a_clear_permanent_error(lab_cluster: Lab) -> None:
     # A docker.io-style name the mirror lacks: docker falls back to the unreachable upstream.
     with pytest.raises(ImageError, match="mirror does not hold this image"):
         ensure_image(targets, "lab/no-such-image:1")
+
+
+@pytest.mark.lab
+def test_an_image_built_elsewhere_is_used_as_the_nodes_hold_it_or_refused(
+    lab_cluster: Lab, lab_engine_image: str, tmp_path: Path
+) -> None:
+    """Tagged by hand on every node, without our labels, from a directory not here: used as it
+    is with a warning; once a node lacks it, refused naming that node (nothing pulled)."""
+    image = "lab/built-elsewhere:1"
+    source = BuiltElsewhere("hand-built", "not-here", tmp_path / "images" / "not-here")
+    targets = lab_cluster.ssh_targets()
+    for node in lab_cluster.nodes:
+        cached_connection(lab_cluster.ssh_target(node)).run(
+            ["docker", "tag", lab_engine_image, image], timeout=60
+        )
+    try:
+        warnings: list[str] = []
+        check_built_elsewhere(targets, image, source, warn=warnings.append)
+        report = ensure_image(targets, image, built_elsewhere=source, warn=warnings.append)
+        assert [n.action for n in report.nodes] == ["present"] * 3
+        assert report.image_id == ensure_image(targets, lab_engine_image).image_id
+        assert len(warnings) == 2
+        assert all("cannot be rebuilt here" in warning for warning in warnings)
+
+        _remove_image(lab_cluster, "node2", image)
+        with pytest.raises(ImageError, match="missing on node2\\. Fix: add") as refused:
+            check_built_elsewhere(targets, image, source)
+        assert "recipe hand-built" in str(refused.value)
+        with pytest.raises(ImageError, match="missing on node2"):
+            ensure_image(targets, image, built_elsewhere=source)
+        absent = cached_connection(lab_cluster.ssh_target("node2")).run(
+            ["docker", "image", "inspect", image], timeout=60, check=False
+        )
+        assert absent.exit_code != 0  # neither pulled nor built
+    finally:
+        for node in lab_cluster.nodes:
+            _remove_image(lab_cluster, node, image)

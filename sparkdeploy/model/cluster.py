@@ -125,8 +125,16 @@ class Nas(_Strict):
 
 
 class NodePaths(_Strict):
-    engram_root: str = "/var/tmp/engram-local"
     composed_root: str = "/var/tmp/sparkdeploy/composed"
+
+
+# Keys inventories had and no longer read, with what to do instead.
+RETIRED_KEYS: dict[KeyPath, str] = {
+    ("node_paths", "engram_root"): (
+        "each Engram copy goes where its recipe's [[composed_model.local_files]] host path says"
+        " (keep that on the filesystem of composed_root, which hardlinks it); remove the key"
+    ),
+}
 
 
 # What the field runs vLLM with (docs/field.md): RDMA needs unlimited locked memory.
@@ -324,7 +332,6 @@ def _setting_problems(
         paths += [(("nas", "hf_cache"), inventory.nas.hf_cache)]
         paths += [(("nas", "runs_dir"), inventory.nas.runs_dir)]
     if "node_paths" not in broken:
-        paths += [(("node_paths", "engram_root"), inventory.node_paths.engram_root)]
         paths += [(("node_paths", "composed_root"), inventory.node_paths.composed_root)]
     for key, value in paths:
         if not value.startswith("/"):
@@ -373,7 +380,7 @@ def cluster_from_document(document: TomlDocument) -> Cluster:
             f"{document.where(('model',))}: model: this is a recipe, not a cluster inventory: "
             "move it to recipes/<name>/recipe.toml; nothing else in it was checked"
         )
-    validated = validate_document(document, InventoryFile)
+    validated = validate_document(document, InventoryFile, RETIRED_KEYS)
     inventory, broken = validated.value, validated.broken
     base = document.path.parent
     nodes, node_problems = _node_problems(inventory, base, document.where, broken)

@@ -11,10 +11,11 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkdeploy.errors import SparkDeployError
+from sparkdeploy.errors import RecipeError, SparkDeployError
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import load_recipe, recipe_paths
+from sparkdeploy.model.recipe import Recipe, load_recipe, recipe_paths
+from sparkdeploy.model.tomlfile import load_toml
 
 ROOT_ENV = "SPARKDEPLOY_ROOT"
 LAB_ROOT_ENV = "SPARKDEPLOY_LAB_ROOT"
@@ -84,17 +85,49 @@ def find_cluster(value: str, root: Path | None = None) -> Path:
     )
 
 
-def find_image_dir(docker_image_dir: str, root: Path | None = None) -> Path:
-    """A recipe's docker_image_dir: a directory under images/ holding a Dockerfile."""
-    root = root or project_root()
-    path = root / "images" / docker_image_dir
-    if not (path / "Dockerfile").is_file():
-        raise SparkDeployError(
-            f"docker_image_dir {docker_image_dir!r}: {path / 'Dockerfile'} does not exist; "
-            "put the image's build context (with its Dockerfile) in images/"
-            f"{docker_image_dir}/ or use a prebuilt docker_image"
-        )
-    return path
+def find_image_dir(docker_image_dir: str, root: Path | None = None) -> Path | None:
+    """images/<docker_image_dir> when it holds a Dockerfile, else None: the image was built
+    elsewhere (by hand on the nodes, say), so it can be used as the nodes hold it but not built
+    here (sparkdeploy.steps.image)."""
+    path = image_dir_path(docker_image_dir, root)
+    return path if (path / "Dockerfile").is_file() else None
+
+
+def image_dir_path(docker_image_dir: str, root: Path | None = None) -> Path:
+    """Where a recipe's docker_image_dir is, whether it exists or not."""
+    return (root or project_root()) / "images" / docker_image_dir
+
+
+def image_dir_fix(docker_image_dir: str, docker_image: str) -> str:
+    """What to do about a docker_image_dir this checkout lacks (validate's and a deploy's)."""
+    return (
+        f"add the image's build context (with its Dockerfile) at images/{docker_image_dir}/,"
+        f" or remove docker_image_dir to use {docker_image} as the nodes hold it or pull it"
+        " from its registry"
+    )
+
+
+def missing_image_dir_problem(
+    recipe_path: Path, recipe: Recipe, root: Path | None = None
+) -> str | None:
+    """The recipe's docker_image_dir, when this checkout lacks it, as validate's problem line.
+
+    An error, not a warning: the file names a build context that is not here, and a deploy
+    refuses the recipe unless every node holds its image; removing the key costs nothing where
+    they do, since an image every node holds with one ID is used as it is either way.
+    """
+    if recipe.docker_image_dir is None:
+        return None
+    if find_image_dir(recipe.docker_image_dir, root) is not None:
+        return None
+    where = load_toml(recipe_path, RecipeError).where(("docker_image_dir",))
+    dockerfile = image_dir_path(recipe.docker_image_dir, root) / "Dockerfile"
+    return (
+        f"{where}: docker_image_dir {recipe.docker_image_dir!r}: {dockerfile} does not exist,"
+        f" so {recipe.docker_image} cannot be built here and a deploy refuses the recipe unless"
+        " every node already holds the image with one ID; "
+        + image_dir_fix(recipe.docker_image_dir, recipe.docker_image)
+    )
 
 
 def load_plan(

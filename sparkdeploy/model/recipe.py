@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from functools import cached_property
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
@@ -287,6 +287,15 @@ def _arg_problems(recipe: Recipe, where: Where, backend_known: bool) -> list[str
 
 def _path_problems(recipe: Recipe, where: Where, broken: frozenset[str]) -> list[str]:
     problems = []
+    image_dir = recipe.docker_image_dir
+    if "docker_image_dir" not in broken and image_dir is not None:
+        parts = PurePosixPath(image_dir).parts
+        # It is joined to images/ on the flow host: it must not lead out of there.
+        if not parts or image_dir.startswith("/") or ".." in parts:
+            problems.append(
+                f"{where(('docker_image_dir',))}: docker_image_dir {image_dir!r} must name a"
+                " directory under images/: a relative path without '..'"
+            )
     if "composed_model" not in broken and recipe.composed_model is not None:
         composed = recipe.composed_model
         if not composed.mount.startswith("/"):

@@ -9,12 +9,13 @@ was set twice: tomllib only reports those at the end of the document or at the n
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import re
 import tomllib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Generic, TypeVar
@@ -497,17 +498,44 @@ def _where_elsewhere(model: type[pydantic.BaseModel], key_path: KeyPath) -> list
     return tables
 
 
-def validate_document(document: TomlDocument, model: type[ModelT]) -> Validated[ModelT]:
+def _without_retired(
+    document: TomlDocument, retired: Mapping[KeyPath, str]
+) -> tuple[dict[str, Any], list[str]]:
+    """The data without the retired keys the file still sets, and one problem for each."""
+    data = copy.deepcopy(document.data)
+    problems = []
+    for key_path, instead in retired.items():
+        *tables, key = key_path
+        table: Any = data
+        for part in tables:
+            table = table.get(part) if isinstance(table, dict) else None
+        if isinstance(table, dict) and key in table:
+            del table[key]
+            where = document.where(key_path)
+            problems.append(f"{where}: {format_key(key_path)} is not read: {instead}")
+    return data, problems
+
+
+def validate_document(
+    document: TomlDocument,
+    model: type[ModelT],
+    retired: Mapping[KeyPath, str] | None = None,
+) -> Validated[ModelT]:
     """Validate the parsed data; every problem becomes one `file:line: key: words` line.
 
     The value is built even when some keys are wrong, from the fields that are right, so the
     caller's own checks can still run on those and report their problems in the same pass.
+    `retired`: keys the format no longer reads, each with what to do instead. A file that still
+    sets one gets that as its problem (not "unknown key", whose did-you-mean would point at
+    another key), and the rest of the file is checked as if the key were not there.
     """
+    data, problems = _without_retired(document, retired or {})
     try:
-        return Validated(model.model_validate(document.data), [], frozenset())
+        value = model.model_validate(data)
     except pydantic.ValidationError as exc:
         errors = exc.errors()
-    problems = []
+    else:
+        return Validated(value, document.in_file_order(problems), frozenset())
     by_key = {info.alias or name: name for name, info in model.model_fields.items()}
     broken: set[str] = set()
     for error in errors:
@@ -537,9 +565,9 @@ def validate_document(document: TomlDocument, model: type[ModelT]) -> Validated[
     # construction skips validation, which the broken fields would not pass.
     fields: dict[str, Any] = {}
     for key, name in by_key.items():
-        if name in broken or key not in document.data:
+        if name in broken or key not in data:
             continue
         field: Any = Annotated[model.model_fields[name].annotation, model.model_fields[name]]
-        fields[name] = pydantic.TypeAdapter(field).validate_python(document.data[key])
+        fields[name] = pydantic.TypeAdapter(field).validate_python(data[key])
     value = model.model_construct(**fields)
     return Validated(value, document.in_file_order(problems), frozenset(broken))

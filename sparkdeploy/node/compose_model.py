@@ -219,7 +219,8 @@ def _hardlink(local: str, entry: str, final_entry: str) -> None:
             "exdev",
             f"cannot hardlink {local} into the composed dir as {final_entry}: they are on "
             "different mounts (EXDEV), and a hardlink cannot cross mounts even on one disk; "
-            "put the cluster's composed_root and engram_root on one filesystem and one mount",
+            "put the recipe's [[composed_model.local_files]] host path and the inventory's"
+            " node_paths.composed_root on one filesystem and one mount",
         ) from None
 
 

@@ -9,6 +9,12 @@ then holds the same image ID, or ImageError names the odd nodes: mismatched imag
 
 A re-run finds the image (with the same context digest, for a built one) everywhere and moves
 nothing. Free space under docker's root dir is checked first on every node.
+
+An image built elsewhere (by hand on the nodes, say) from a docker_image_dir this checkout does
+not have (`BuiltElsewhere`) is used as the nodes hold it, labelled by us or not, with a warning
+that it cannot be rebuilt here; it is never pulled or built. Unless every node holds it with one
+image ID, the recipe is refused: the deploy asks the nodes (`check_built_elsewhere`) before its
+prefetch, and the image step again.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from sparkdeploy.errors import ImageError, TransientRemoteError
+from sparkdeploy.model.project import find_image_dir, image_dir_fix, image_dir_path
 from sparkdeploy.remote.docker_cli import (
     Log,
     Runner,
@@ -94,6 +101,54 @@ class _Facts:
 class BuildContext:
     tar: bytes
     digest: str  # of paths, modes and contents (not mtimes): equal dirs, equal digest
+
+
+@dataclass(frozen=True)
+class BuiltElsewhere:
+    """A recipe whose docker_image_dir is not in this checkout: its image cannot be built here."""
+
+    recipe: str
+    docker_image_dir: str
+    missing: Path  # where its build context would be: images/<docker_image_dir>
+
+
+def image_source(
+    recipe: str, docker_image_dir: str | None, root: Path | None = None
+) -> tuple[Path | None, BuiltElsewhere | None]:
+    """The build context of a recipe's image, or that it was built elsewhere; neither for an
+    image that is pulled (no docker_image_dir)."""
+    if docker_image_dir is None:
+        return None, None
+    found = find_image_dir(docker_image_dir, root)
+    if found is not None:
+        return found, None
+    return None, BuiltElsewhere(recipe, docker_image_dir, image_dir_path(docker_image_dir, root))
+
+
+def built_elsewhere_refusal(
+    image: str, image_ids: Mapping[str, str | None], source: BuiltElsewhere
+) -> str | None:
+    """None when every node holds `image` with one image ID (it is then used as it is);
+    else why the recipe cannot be deployed: the nodes that lack the image or differ, the fix."""
+    held = {image_id for image_id in image_ids.values() if image_id}
+    missing = [node for node, image_id in image_ids.items() if image_id is None]
+    if not missing and len(held) == 1:
+        return None
+    problems = [f"missing on {', '.join(missing)}"] if missing else []
+    if len(held) > 1:
+        problems.append(
+            "different images on "
+            + ", ".join(
+                f"{node} ({image_id[:19]})" for node, image_id in image_ids.items() if image_id
+            )
+        )
+    return (
+        f"recipe {source.recipe}: {image} cannot be built here, since its docker_image_dir"
+        f" {source.docker_image_dir!r} names {source.missing}, which this checkout does not have;"
+        f" and it is not on every node with one image ID: {'; '.join(problems)}. Fix: "
+        + image_dir_fix(source.docker_image_dir, image)
+        + f", or put {image} on every node by hand (the same image ID everywhere)"
+    )
 
 
 def build_context(image_dir: Path) -> BuildContext:
@@ -267,20 +322,25 @@ def ensure_image(
     image: str,
     *,
     image_dir: Path | None = None,
+    built_elsewhere: BuiltElsewhere | None = None,
     registry: str | None = None,
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
     log: Log = _LOG.info,
+    warn: Log = _LOG.warning,
 ) -> ImageReport:
     """`image` on every node of `targets` (rank order), one image ID everywhere.
 
-    With image_dir it is built from that directory (see the module docstring), else pulled.
+    With image_dir it is built from that directory, with built_elsewhere it is used as the nodes
+    hold it or refused (see the module docstring), else pulled.
     """
     if not targets:
         raise ImageError(f"no nodes to put {image} on")
     started = time.monotonic()
     nodes = list(targets)
     facts = on_nodes(targets, lambda runner, node: _facts(runner, node, image))
-    if image_dir is None:
+    if built_elsewhere is not None:
+        outcome = _use_built_elsewhere(nodes, image, facts, built_elsewhere, warn)
+    elif image_dir is None:
         outcome = _ensure_pulled(targets, image, facts, min_free_bytes, log)
     else:
         outcome = _ensure_built(targets, image, image_dir, registry, facts, min_free_bytes, log)
@@ -317,6 +377,33 @@ class _Done:
 
 _PRESENT = _Done("present", 0, 0.0)
 _Outcome = tuple[dict[str, _Facts], str, dict[str, _Done]]
+
+
+def _use_built_elsewhere(
+    nodes: list[str], image: str, facts: dict[str, _Facts], source: BuiltElsewhere, warn: Log
+) -> _Outcome:
+    refusal = built_elsewhere_refusal(image, {n: facts[n].image_id for n in nodes}, source)
+    if refusal is not None:
+        raise ImageError(refusal)
+    warn(
+        f"{image} ({facts[nodes[0]].image_id}) is used as every node holds it: it cannot be"
+        f" rebuilt here, since recipe {source.recipe}'s docker_image_dir names {source.missing},"
+        " which this checkout does not have"
+    )
+    return facts, nodes[0], dict.fromkeys(nodes, _PRESENT)
+
+
+def check_built_elsewhere(
+    targets: Mapping[str, SshTarget],
+    image: str,
+    source: BuiltElsewhere,
+    *,
+    warn: Log = _LOG.warning,
+) -> None:
+    """ImageError (built_elsewhere_refusal's) unless every node holds `image` with one image ID:
+    asked before the deploy's prefetch, so such a recipe is refused before hours of download."""
+    facts = on_nodes(targets, lambda runner, node: _facts(runner, node, image))
+    _use_built_elsewhere(list(targets), image, facts, source, warn)
 
 
 def _ensure_pulled(
