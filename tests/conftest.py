@@ -8,7 +8,7 @@ scripts/test runs the flow and lock tests that way too).
 `lab_cluster` brings up one lab (3 nodes, named by SPARKDEPLOY_TEST_LAB, default "pytest") for
 the whole session and tears it down at the end, checking that nothing of it remains. Where the
 lab cannot run (not root, no namespaces, packages missing) its tests are skipped with the
-reason, which `-ra` prints in the summary.
+reason, which `-ra` prints in the summary; in CI or as root such a skip fails (skip_policy.py).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ from lab.prefect_local import SERVER_KEEPALIVE_S, PrefectServer, free_port
 from lab.vllm_runtime import RealEngine, ensure_runtime, prepare_real_engine, unavailable_reason
 from sparkdeploy.model.project import lab_root
 from sparkdeploy.remote import ssh
+
+pytest_plugins = ["skip_policy"]
 
 TEST_LAB_NAME = os.environ.get("SPARKDEPLOY_TEST_LAB", "pytest")
 TEST_LAB_NODES = 3
