@@ -141,6 +141,22 @@ def test_missing_marker_and_unjoined_worker_are_awaited_by_name() -> None:
     assert watch.timeline[-1].figures == {"rank": 1.0, "world_size": 2.0}
 
 
+def test_markers_count_in_any_order_and_the_first_unseen_is_the_one_awaited() -> None:
+    """Real vLLM prints them in order, but uvicorn's lines (stderr) and vLLM's (stdout) reach the
+    gate on two streams: the gate needs each seen, not their order (README, readiness-gate)."""
+    watch = BootWatch(head="node1", workers=[], started_at=0.0)
+    feed(watch, "node1", HEAD_0_11[-3:])
+    awaited = watch.awaited()
+    assert awaited is not None and awaited[:2] == ("node1", "weights_loaded")
+    feed(watch, "node1", HEAD_0_11[:-3])
+    assert watch.complete
+    assert [entry.marker for entry in watch.timeline][:3] == [
+        "uvicorn_started",
+        "application_startup",
+        "application_ready",
+    ]
+
+
 def test_optional_markers_are_recorded_but_never_awaited() -> None:
     watch = BootWatch(head="node1", workers=[], started_at=0.0)
     required_only = [line for line in HEAD_0_33 if "Model loading" not in line]
