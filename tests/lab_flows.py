@@ -25,7 +25,7 @@ from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.status import cluster_status
 
 if TYPE_CHECKING:
-    from prefect.client.schemas.objects import State
+    from prefect.client.schemas.objects import State, TaskRun
 
 
 def lab_unavailable_reason() -> str | None:
@@ -136,15 +136,45 @@ def recipe_variant(tmp_path: Path, name: str, source: Path, *replacements: tuple
     return str(path.parent)
 
 
-def task_history(flow_run_id: str) -> list[str]:
-    """`<task run name>: <state name>` for each task run of a flow run, in start order."""
+# How long the server may take to write the task runs' states of a run that has ended.
+TASK_STATES_SETTLE_S = 60.0
+
+
+def settled_task_runs(
+    flow_run_id: str | UUID, timeout_s: float = TASK_STATES_SETTLE_S
+) -> list[TaskRun]:
+    """The task runs of an ended flow run once the server has all their final states.
+
+    Prefect 3 sends task-run states as events that the server writes a little later, so a read
+    right after the flow's end can miss a task run or find it still Running (CI once failed on
+    a readiness gate's Failed attempt that was not there yet). Every test that reads task runs
+    reads them through this: it waits until each is final and two reads agree."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    of_run = FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(flow_run_id))]))
+    deadline = time.monotonic() + timeout_s
+    seen: list[tuple[UUID, str | None]] | None = None
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(flow_run_id)]))
-        )
+        while True:
+            runs = client.read_task_runs(flow_run_filter=of_run)
+            now = sorted((run.id, run.state.type.value if run.state else None) for run in runs)
+            final = all(run.state is not None and run.state.is_final() for run in runs)
+            if final and now == seen:
+                return runs
+            if time.monotonic() >= deadline:
+                unsettled = [run.name for run in runs if not (run.state and run.state.is_final())]
+                raise AssertionError(
+                    f"the task runs of flow run {flow_run_id} did not settle within"
+                    f" {timeout_s:.0f} s; not final: {unsettled}"
+                )
+            seen = now
+            time.sleep(0.5)
+
+
+def task_history(flow_run_id: str) -> list[str]:
+    """`<task run name>: <state name>` for each task run of a flow run, in start order."""
+    runs = settled_task_runs(flow_run_id)
     ordered = sorted(
         runs, key=lambda run: (run.start_time or run.expected_start_time or 0, run.name)
     )

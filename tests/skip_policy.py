@@ -28,7 +28,7 @@ def lab_skips_fail() -> bool:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Generator[Any]:
-    outcome = yield
+    outcome: Any = yield
     report: pytest.TestReport = outcome.get_result()
     if not report.skipped or not lab_skips_fail():
         return

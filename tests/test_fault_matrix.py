@@ -48,6 +48,7 @@ from lab_flows import (
     nothing_runs,
     recipe_variant,
     register_lab_deployments,
+    settled_task_runs,
     wait_for_state,
 )
 
@@ -264,8 +265,6 @@ def run_flow(flow: Any, *args: Any, **kwargs: Any) -> Run:
     message; the log line "Task run failed with exception: ... - Retry 1/2 will start" does)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
         LogFilter,
         LogFilterFlowRunId,
     )
@@ -279,9 +278,7 @@ def run_flow(flow: Any, *args: Any, **kwargs: Any) -> Run:
     attempts = []
     with get_client(sync_client=True) as client:
         names = {}
-        for task_run in client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-        ):
+        for task_run in settled_task_runs(flow_run_id):
             names[task_run.id] = task_run.name
             attempts += [
                 Attempt(task_run.name, past.message or "", _wall(past.timestamp), final=True)

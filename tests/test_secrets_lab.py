@@ -15,7 +15,7 @@ from secrets import token_hex
 from uuid import UUID
 
 import pytest
-from lab_flows import nothing_runs, recipe_variant
+from lab_flows import nothing_runs, recipe_variant, settled_task_runs
 from typer.testing import CliRunner
 
 from flows.deploy import deploy
@@ -43,8 +43,6 @@ def _prefect_records(flow_run_ids: Iterable[UUID]) -> list[str]:
     from prefect.client.schemas.filters import (
         ArtifactFilter,
         ArtifactFilterFlowRunId,
-        FlowRunFilter,
-        FlowRunFilterId,
         LogFilter,
         LogFilterFlowRunId,
     )
@@ -55,8 +53,7 @@ def _prefect_records(flow_run_ids: Iterable[UUID]) -> list[str]:
     with get_client(sync_client=True) as client:
         for run_id in flow_run_ids:
             records.append(client.read_flow_run(run_id).model_dump_json())
-            runs = FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
-            task_runs = client.read_task_runs(flow_run_filter=runs)
+            task_runs = settled_task_runs(run_id)
             records += [task_run.model_dump_json() for task_run in task_runs]
             in_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))
             offset = 0
