@@ -22,8 +22,8 @@ from tasks.common import artifact_key, retry_only
     retry_condition_fn=retry_only(TransientRemoteError),
 )
 def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
-    """Every Engram shard of every node's plan copied (or found, or finished) and verified, all
-    nodes at once.
+    """Every Engram shard of every node's plan copied (or found, adopted, or finished) and
+    verified, all nodes at once.
 
     One python3 per node checks and copies its shards, its progress logged as it comes. One task
     run for all nodes, not one per node: each task run costs the Prefect server and the flow a
@@ -36,13 +36,16 @@ def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
         logger.info("the plan stages no Engram shards")
         return {}
 
-    def log_progress(node_name: str, dest: str, done: int, total: int) -> None:
+    def log_progress(node_name: str, dest: str, done: int, total: int, phase: str) -> None:
         logger.info(
-            "node %s: %s: %s of %s copied and verified",
+            "node %s: %s: %s of %s %s",
             node_name,
             dest,
             human_bytes(done),
             human_bytes(total),
+            "compared with the NAS shard (to adopt the file there)"
+            if phase == "compare"
+            else "copied and verified",
         )
 
     for node in staged:
@@ -71,6 +74,8 @@ def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
                 human_bytes(result.allocated_bytes),
                 result.seconds,
             )
+            if result.note is not None:
+                logger.warning("node %s: %s: %s", result.node, result.dest, result.note)
             rows.append(
                 {
                     "node": result.node,

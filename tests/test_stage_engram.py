@@ -79,7 +79,7 @@ def stage(
     ranks: list[int],
     *,
     stop_after_chunks: int | None = None,
-    on_progress: Callable[[str, str, int, int], None] | None = None,
+    on_progress: Callable[[str, str, int, int, str], None] | None = None,
 ) -> StagingResult:
     (result,) = staging.stage_on_node(
         LocalPython(),
@@ -258,7 +258,8 @@ def test_progress_arrives_while_the_copy_runs(nas: Nas, tmp_path: Path) -> None:
     dest = tmp_path / "node" / nas.filename
     seen: list[tuple[str, str, int, int, bool]] = []
 
-    def on_progress(node: str, dest_path: str, done: int, total: int) -> None:
+    def on_progress(node: str, dest_path: str, done: int, total: int, phase: str) -> None:
+        assert phase == "copy"
         # Live: the node script has not renamed its partial copy into place yet.
         seen.append((node, dest_path, done, total, Path(f"{dest}.partial").exists()))
 

@@ -25,6 +25,33 @@ fixed-size chunks by three threads passing a few reused buffers around (memory s
 
 Then the file's data extents are checked against the ranges (holes where holes belong), and
 only then is DEST.partial renamed to DEST and DEST.manifest.json written.
+
+A DEST already there without a manifest matching the plan (a copy made by hand or by the old
+launcher, which other lanes may hard-link, or one of ours for another source revision) is
+checked against the source while the shards are checked, before anything is written: its size,
+its header bytes, then every byte of the ranges, both files read in chunks (two reads in flight,
+each dropped from the page cache) and compared, the first difference ending the compare. One
+that matches is ADOPTED: the manifest a copy would get is written beside it (with the same
+range sha256s, computed from the source bytes the compare read) and the file is not touched (no
+truncate, no rename, same inode and mtime; a leftover DEST.partial and its journal are removed).
+A full compare costs one read of the share from the NAS, as a copy does, plus one read of it
+from the local disk, but no writes, no second copy's space, and the other lanes' links stay on
+the file; there is no sampled compare: a sample cannot give the range sha256s the manifest
+records, and a copy missing a few rows would pass it. Only the header and the ranges count:
+a DEST with data outside them (e.g. fully materialised: no holes at all) is adopted all the
+same, as rewriting it sparse would move it off the other lanes' links; its result and manifest
+carry a note saying how much it allocates beyond a sparse copy.
+
+A DEST that does not match is replaced by a copy as above, except (both fail before any copy):
+- wrong_rank: it is no copy of ours (no manifest describing it) and holds another rank's rows
+  (its header and a sample of that rank's rows match the source); the plan's rank order is not
+  the one it was made for, which is for the operator to sort out;
+- linked_mismatch: other paths hard-link it (st_nlink > 1), so other lanes may use it; a new
+  copy would leave them on the old file and cost its space again. Links inside this
+  deployment's composed dir do not count (the compose-model step relinks them to the new copy);
+  the links found in the composed dirs beside it (the inventory's composed_root) are named.
+Adoption only reads DEST and writes the manifest last, in one rename: one that fails part-way
+leaves DEST as it was.
 """
 
 from __future__ import annotations
@@ -36,10 +63,12 @@ import hashlib
 import json
 import os
 import queue
+import stat as stat_mode
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -68,6 +97,9 @@ CHUNK_BUFFERS = 5
 DEFAULT_SYNC_BYTES = 128 * MIB
 FAILED_EXIT = 3
 PROGRESS_INTERVAL_S = 1.0
+# Bytes compared at each end of each of another rank's ranges to tell whether DEST holds them
+# (only for the wrong_rank message, so a sample: a full compare would read the share again).
+RANK_SAMPLE_BYTES = 1 * MIB
 QUEUE_POLL_S = 0.2
 PARTIAL_SUFFIX = ".partial"
 JOURNAL_SUFFIX = ".partial.journal.json"
@@ -105,6 +137,9 @@ class Request:
     dest: str
     ranks: tuple[int, ...]
     tp_size: int
+    # This deployment's composed dir (None: none): its hard links to DEST are relinked by the
+    # compose-model step, so they do not make DEST shared with other lanes.
+    composed_root: str | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     sync_bytes: int = DEFAULT_SYNC_BYTES
     # Fault injection for tests: fail as if killed after writing this many chunks in this run.
@@ -112,8 +147,8 @@ class Request:
 
     @classmethod
     def from_json(cls, node: dict[str, Any], stage: dict[str, Any]) -> Request:
-        """One stage of a node request: {"node", "nas_hf_cache", "chunk_bytes", "sync_bytes",
-        "stop_after_chunks", "stages": [EngramStage as JSON, ...]}."""
+        """One stage of a node request: {"node", "nas_hf_cache", "composed_root", "chunk_bytes",
+        "sync_bytes", "stop_after_chunks", "stages": [EngramStage as JSON, ...]}."""
         return cls(
             node=node["node"],
             nas_hf_cache=node["nas_hf_cache"],
@@ -123,6 +158,7 @@ class Request:
             dest=stage["dest"],
             ranks=tuple(sorted(stage["ranks"])),
             tp_size=stage["tp_size"],
+            composed_root=node.get("composed_root"),
             chunk_bytes=node.get("chunk_bytes", DEFAULT_CHUNK_BYTES),
             sync_bytes=node.get("sync_bytes", DEFAULT_SYNC_BYTES),
             stop_after_chunks=node.get("stop_after_chunks"),
@@ -134,7 +170,7 @@ class StagingResult:
     """One staged shard, as the node reports it (a {"result": ...} line) and the flow reads it."""
 
     node: str
-    status: str  # "copied", "resumed" or "skipped"
+    status: str  # "copied", "resumed", "adopted" or "skipped"
     dest: str
     source: str
     size: int
@@ -148,6 +184,8 @@ class StagingResult:
     range_sha256: tuple[str, ...]
     holes_checked: bool
     seconds: float
+    # What an adopted DEST holds beyond a sparse copy (e.g. fully materialised), else None.
+    note: str | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StagingResult:
@@ -173,6 +211,8 @@ class CopyPlan:
     ranges: list[tuple[int, int]]
     rows: list[dict[str, Any]]
     key: dict[str, Any]
+    # Each other rank's row ranges at the same TP size, to name the rank a foreign DEST holds.
+    other_rank_ranges: dict[int, list[tuple[int, int]]]
 
     @property
     def copy_bytes(self) -> int:
@@ -229,6 +269,11 @@ def plan_copy(request: Request) -> CopyPlan:
             for layer_pos, _weight, _scale in tables
             for rank in request.ranks
         ]
+        other_rank_ranges = {
+            rank: rank_byte_ranges(tensors, geometry, [rank], request.tp_size)
+            for rank in range(request.tp_size)
+            if rank not in request.ranks
+        }
     except EngramError as exc:
         raise StagingFailure("geometry", f"source shard {entry}: {exc}") from None
     ranges = merge_ranges([(0, HEADER_LENGTH_BYTES + header_len), *engram_ranges])
@@ -257,6 +302,7 @@ def plan_copy(request: Request) -> CopyPlan:
         ranges=ranges,
         rows=rows,
         key=key,
+        other_rank_ranges=other_rank_ranges,
     )
 
 
@@ -302,6 +348,227 @@ def find_reusable(plan: CopyPlan) -> dict[str, Any] | None:
     return manifest
 
 
+def adopt(plan: CopyPlan, progress: Progress) -> dict[str, Any] | None:
+    """Adopt an existing DEST that holds what the copy would (see the module docstring).
+
+    Returns the manifest written beside it; None when there is no DEST, or one that the copy may
+    replace; raises wrong_rank or linked_mismatch for one it must not replace.
+    """
+    request = plan.request
+    dest = request.dest
+    try:
+        before = os.stat(dest)
+    except FileNotFoundError:
+        return None
+    with open(plan.source, "rb") as source, open(dest, "rb") as existing:
+        src_fd, dst_fd = source.fileno(), existing.fileno()
+        # No readahead past the ranges' ends; each chunk is dropped from the cache once read.
+        os.posix_fadvise(src_fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.posix_fadvise(dst_fd, 0, 0, os.POSIX_FADV_RANDOM)
+        mismatch: str | None
+        range_sums: list[str] = []
+        held: int | None = None
+        if before.st_size != plan.size:
+            mismatch = f"it is {before.st_size} bytes, the source {plan.size}"
+        elif os.pread(dst_fd, plan.header_bytes, 0) != os.pread(src_fd, plan.header_bytes, 0):
+            mismatch = "its safetensors header differs from the source's"
+        else:
+            mismatch, range_sums = _compare(plan, src_fd, dst_fd, progress)
+        if mismatch is None:
+            holes_checked, note = _adopted_extents(dst_fd, plan)
+        else:
+            held = None if _own_manifest(dest, before) else _held_rank(plan, src_fd, dst_fd)
+    if mismatch is None:
+        after = os.stat(dest)
+        if (after.st_ino, after.st_size, after.st_mtime_ns) != (
+            before.st_ino,
+            before.st_size,
+            before.st_mtime_ns,
+        ):
+            raise StagingFailure(
+                "io",
+                f"{dest} changed while it was compared with {plan.source}; another process "
+                "writes it: stop it, then run the step again",
+            )
+        manifest = _write_manifest(plan, after, range_sums, holes_checked, note=note)
+        _remove(dest + JOURNAL_SUFFIX)
+        _remove(dest + PARTIAL_SUFFIX)
+        _fsync_dir(os.path.dirname(dest))
+        return manifest
+    ranks = ", ".join(map(str, request.ranks))
+    wanted = f"rank{'s' if len(request.ranks) > 1 else ''} {ranks} of TP {request.tp_size}"
+    links = _links_elsewhere(request, before)
+    if held is not None:
+        shared = f", {before.st_nlink} hard links" if before.st_nlink > 1 else ""
+        raise StagingFailure(
+            "wrong_rank",
+            f"{dest} holds rank {held}'s rows, this plan gives node {request.node} {wanted}: "
+            f"{mismatch}, but its header and a sample of rank {held}'s rows match {plan.source}"
+            f"; it is no copy of ours (no manifest{shared}), so it is left alone; the deploy "
+            "cannot reorder the ranks: list the nodes in the order the file was made for, or "
+            "point the recipe's [[composed_model.local_files]] host path at another path, or, "
+            f"once no other lane uses it, remove or rename {dest} by hand",
+        )
+    if links:
+        raise StagingFailure(
+            "linked_mismatch",
+            f"{dest} does not match {plan.source} for {wanted} ({mismatch}) and has "
+            f"{before.st_nlink} hard links (other than itself: {links}): other lanes may use it,"
+            " and a new copy would leave them on the old file and take "
+            f"{plan.copy_bytes / 1e9:.2f} GB more here; check what the other lanes need, then "
+            f"remove or rename {dest} by hand, or point the recipe's "
+            "[[composed_model.local_files]] host path at another path",
+        )
+    return None
+
+
+def _own_manifest(dest: str, stat: os.stat_result) -> bool:
+    """Whether DEST is a copy of ours: a manifest describes this very file (of any plan)."""
+    recorded = (_read_json(dest + MANIFEST_SUFFIX) or {}).get("dest", {})
+    return (stat.st_size, stat.st_mtime_ns) == (recorded.get("size"), recorded.get("mtime_ns"))
+
+
+def _links_elsewhere(request: Request, stat: os.stat_result) -> str:
+    """The message's account of DEST's other links: "" when there are none, or only in this
+    deployment's composed dir (the links in the composed dirs beside it are named)."""
+    if stat.st_nlink == 1:
+        return ""
+    found: list[str] = []
+    searched = None
+    if request.composed_root is not None:
+        searched = os.path.dirname(request.composed_root.rstrip("/"))
+        found = _same_inode_under(searched, stat)
+    others = [path for path in found if not _is_under(path, request.composed_root)]
+    unknown = stat.st_nlink - 1 - len(found)
+    parts = []
+    if others:
+        parts.append(f"{len(others)} in other deployments' composed dirs: {', '.join(others)}")
+    if unknown:
+        parts.append(f"{unknown} outside {searched}" if searched else f"{unknown} elsewhere")
+    return "; ".join(parts)
+
+
+def _is_under(path: str, root: str | None) -> bool:
+    return root is not None and path.startswith(root.rstrip("/") + "/")
+
+
+def _same_inode_under(top: str, stat: os.stat_result) -> list[str]:
+    """The paths under top that are hard links to the file of this stat (symlinks not
+    followed; composed dirs are small trees of symlinks and a few links)."""
+    found = []
+    for directory, _subdirs, files in os.walk(top):
+        for name in files:
+            path = os.path.join(directory, name)
+            try:
+                entry = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if stat_mode.S_ISREG(entry.st_mode) and (entry.st_dev, entry.st_ino) == (
+                stat.st_dev,
+                stat.st_ino,
+            ):
+                found.append(path)
+    return sorted(found)
+
+
+def _compare(
+    plan: CopyPlan, src_fd: int, dst_fd: int, progress: Progress
+) -> tuple[str | None, list[str]]:
+    """Every byte of the ranges in DEST against the source, stopping at the first difference.
+
+    Returns (where DEST first differs, None when it does not; the source's sha256 per range).
+    Two reads in flight (source and DEST, the next chunk's while this one is compared and
+    hashed); the buffers alternate between two pairs, so memory stays at four chunks.
+    """
+    dest = plan.request.dest
+    chunk_bytes = plan.request.chunk_bytes
+    hashes = [hashlib.sha256() for _ in plan.ranges]
+    pairs = [(bytearray(chunk_bytes), bytearray(chunk_bytes)) for _ in range(2)]
+    total = plan.copy_bytes
+    last_report = 0.0
+
+    def read(fd: int, path: str, buffer: bytearray, chunk: Chunk) -> memoryview:
+        data = memoryview(buffer)[: chunk.length]
+        _pread_exact(fd, data, chunk.offset, path)
+        os.posix_fadvise(fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
+        return data
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="staging-compare") as pool:
+
+        def submit(chunk: Chunk, turn: int) -> tuple[Future[memoryview], Future[memoryview]]:
+            source_buffer, dest_buffer = pairs[turn % 2]
+            return (
+                pool.submit(read, src_fd, plan.source, source_buffer, chunk),
+                pool.submit(read, dst_fd, dest, dest_buffer, chunk),
+            )
+
+        chunks = iter_chunks(plan.ranges, chunk_bytes, 0)
+        chunk = next(chunks, None)
+        reads = submit(chunk, 0) if chunk is not None else None
+        turn = 0
+        while chunk is not None and reads is not None:
+            following = next(chunks, None)
+            next_reads = submit(following, turn + 1) if following is not None else None
+            source_bytes, dest_bytes = reads[0].result(), reads[1].result()
+            # startswith compares with memcmp; == on memoryviews compares item by item.
+            if not pairs[turn % 2][1].startswith(source_bytes):
+                offset = chunk.offset + _first_difference(source_bytes, dest_bytes)
+                begin, end = plan.ranges[chunk.range_index]
+                return (
+                    f"its byte {offset} (of range [{begin}, {end})) differs from the source's",
+                    [],
+                )
+            hashes[chunk.range_index].update(source_bytes)
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_INTERVAL_S:
+                progress(chunk.copied_through, total)
+                last_report = now
+            chunk, reads, turn = following, next_reads, turn + 1
+    progress(total, total)
+    return None, [digest.hexdigest() for digest in hashes]
+
+
+def _first_difference(first: memoryview, second: memoryview) -> int:
+    return next(i for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b)
+
+
+def _held_rank(plan: CopyPlan, src_fd: int, dst_fd: int) -> int | None:
+    """The other rank (same TP size) whose rows DEST holds, judged on a sample of each range's
+    ends; None when none does."""
+    for rank, ranges in sorted(plan.other_rank_ranges.items()):
+        if ranges and all(_sample_matches(src_fd, dst_fd, begin, end) for begin, end in ranges):
+            return rank
+    return None
+
+
+def _sample_matches(src_fd: int, dst_fd: int, begin: int, end: int) -> bool:
+    length = min(RANK_SAMPLE_BYTES, end - begin)
+    for offset in {begin, end - length}:
+        expected = os.pread(src_fd, length, offset)
+        # Rows of zeros would match the holes of any sparse copy: they tell nothing.
+        if expected.count(0) == len(expected) or os.pread(dst_fd, length, offset) != expected:
+            return False
+    return True
+
+
+def _adopted_extents(fd: int, plan: CopyPlan) -> tuple[bool, str | None]:
+    """(holes checked, a note on what DEST allocates beyond a sparse copy of the ranges)."""
+    extents = _data_extents(fd, plan.size)
+    allocated = os.fstat(fd).st_blocks * 512
+    whole = extents == [(0, plan.size)] and plan.ranges != [(0, plan.size)]
+    if extents is None or (whole and allocated < plan.size):
+        return False, None  # the filesystem does not report holes
+    outside = _outside(extents, plan, os.fstat(fd).st_blksize)
+    if not outside:
+        return True, None
+    what = "fully materialised (no holes)" if whole else f"data outside the ranges at {outside}"
+    return False, (
+        f"adopted as it is, {what}: it allocates {allocated / 1e9:.2f} GB for a share of "
+        f"{plan.copy_bytes / 1e9:.2f} GB; a sparse copy would take its place if it were removed "
+        "(once no other lane uses it) and the step run again"
+    )
+
+
 def resume_point(plan: CopyPlan) -> int:
     """Bytes of the copy already durable in DEST.partial (0: start afresh)."""
     dest = plan.request.dest
@@ -338,35 +605,58 @@ def check_space(pending: Sequence[tuple[CopyPlan, int]]) -> None:
                 "no_space",
                 f"{probe} has {free / 1e9:.2f} GB free but the sparse copy of "
                 f"{' and '.join(files)} there needs {needed / 1e9:.2f} GB more; free space "
-                "there or point engram_root at a bigger disk",
+                "there or move the recipe's [[composed_model.local_files]] host path to a bigger"
+                " disk (on the filesystem of the inventory's composed_root)",
             )
 
 
+@dataclass(frozen=True)
+class Checked:
+    """One shard once checked: a manifest when DEST needs no copy, else where the copy resumes."""
+
+    plan: CopyPlan
+    manifest: dict[str, Any] | None
+    status: str  # of a DEST that needs no copy: "skipped" or "adopted"
+    resume_from: int
+    seconds: float
+
+
 def stage_all(requests: Sequence[Request], emit: Emit) -> None:
-    """Check every shard, then make (or find, or finish) each verified copy, emitting results."""
-    started = time.monotonic()
-    # (plan, the manifest of a reusable copy, bytes already durable in DEST.partial)
-    checked: list[tuple[CopyPlan, dict[str, Any] | None, int]] = []
+    """Check every shard, then make (or find, adopt or finish) each verified copy, emitting
+    results."""
+
+    def progress_of(dest: str, phase: str) -> Progress:
+        # phase: "copy" (bytes copied and verified) or "compare" (DEST checked for adoption).
+        def progress(done: int, total: int) -> None:
+            emit({"progress": {"dest": dest, "done": done, "total": total, "phase": phase}})
+
+        return progress
+
+    checked: list[Checked] = []
     for request in requests:
+        started = time.monotonic()
         with _about(request.dest):
             plan = plan_copy(request)
             manifest = find_reusable(plan)
-            checked.append((plan, manifest, 0 if manifest else resume_point(plan)))
-    pending = [(plan, resumed) for plan, manifest, resumed in checked if manifest is None]
+            status = "skipped"
+            if manifest is None:
+                manifest = adopt(plan, progress_of(request.dest, "compare"))
+                status = "adopted"
+            resume_from = 0 if manifest else resume_point(plan)
+        checked.append(
+            Checked(plan, manifest, status, resume_from, round(time.monotonic() - started, 3))
+        )
+    pending = [(item.plan, item.resume_from) for item in checked if item.manifest is None]
     check_space(pending)
     emit({"plan": {"remaining_bytes": sum(plan.copy_bytes - done for plan, done in pending)}})
-    for plan, manifest, resumed in checked:
-        if manifest is not None:
-            result = _result(plan, "skipped", manifest, copied=0, started=started)
+    for item in checked:
+        if item.manifest is not None:
+            result = _result(item.plan, item.status, item.manifest, copied=0, seconds=item.seconds)
         else:
-
-            def progress(done: int, total: int, dest: str = plan.request.dest) -> None:
-                emit({"progress": {"dest": dest, "done": done, "total": total}})
-
-            with _about(plan.request.dest):
-                result = stage(plan, resumed, progress)
+            dest = item.plan.request.dest
+            with _about(dest):
+                result = stage(item.plan, item.resume_from, progress_of(dest, "copy"))
         emit({"result": dataclasses.asdict(result)})
-        started = time.monotonic()
 
 
 @contextlib.contextmanager
@@ -382,8 +672,9 @@ def _about(dest: str) -> Iterator[None]:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             io_failure = StagingFailure(
                 "no_space",
-                f"{where}: the disk filled up during the copy; free space there or point"
-                " engram_root at a bigger disk (a re-run resumes from what is durable)",
+                f"{where}: the disk filled up during the copy; free space there or move"
+                " the recipe's [[composed_model.local_files]] host path to a bigger disk (a"
+                " re-run resumes from what is durable)",
             )
         else:
             io_failure = StagingFailure("io", where)
@@ -419,25 +710,40 @@ def stage(plan: CopyPlan, resume_from: int, progress: Progress) -> StagingResult
         os.close(src_fd)
         os.close(dst_fd)
     os.replace(partial, dest)
-    stat = os.stat(dest)
+    manifest = _write_manifest(plan, os.stat(dest), range_sums, holes_checked, note=None)
+    _remove(dest + JOURNAL_SUFFIX)
+    _fsync_dir(os.path.dirname(dest))
+    status = "resumed" if resume_from else "copied"
+    seconds = round(time.monotonic() - started, 3)
+    return _result(plan, status, manifest, copied=copied, seconds=seconds)
+
+
+def _write_manifest(
+    plan: CopyPlan,
+    stat: os.stat_result,
+    range_sums: list[str],
+    holes_checked: bool,
+    *,
+    note: str | None,
+) -> dict[str, Any]:
+    """DEST.manifest.json for a verified DEST of this stat (copied or adopted)."""
+    dest = plan.request.dest
     manifest = {
         **plan.key,
         "range_sha256": range_sums,
         "header_bytes": plan.header_bytes,
         "rows": plan.rows,
         "holes_checked": holes_checked,
+        "note": note,
         "dest": {"path": dest, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns},
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     _write_json(dest + MANIFEST_SUFFIX, manifest)
-    _remove(dest + JOURNAL_SUFFIX)
-    _fsync_dir(os.path.dirname(dest))
-    status = "resumed" if resume_from else "copied"
-    return _result(plan, status, manifest, copied=copied, started=started)
+    return manifest
 
 
 def _result(
-    plan: CopyPlan, status: str, manifest: dict[str, Any], *, copied: int, started: float
+    plan: CopyPlan, status: str, manifest: dict[str, Any], *, copied: int, seconds: float
 ) -> StagingResult:
     stat = os.stat(plan.request.dest)
     return StagingResult(
@@ -455,7 +761,8 @@ def _result(
         ranges=tuple((begin, end) for begin, end in manifest["ranges"]),
         range_sha256=tuple(manifest["range_sha256"]),
         holes_checked=manifest["holes_checked"],
-        seconds=round(time.monotonic() - started, 3),
+        seconds=seconds,
+        note=manifest.get("note"),
     )
 
 
@@ -638,20 +945,9 @@ def _check_extents(fd: int, plan: CopyPlan, path: str) -> bool:
     False when the filesystem does not report holes (SEEK_DATA unsupported, or the whole file
     reported as data although it is allocated sparsely).
     """
-    block = os.fstat(fd).st_blksize
-    extents: list[tuple[int, int]] = []
-    position = 0
-    while position < plan.size:
-        try:
-            start = os.lseek(fd, position, os.SEEK_DATA)
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:
-                break
-            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-                return False
-            raise
-        position = os.lseek(fd, start, os.SEEK_HOLE)
-        extents.append((start, position))
+    extents = _data_extents(fd, plan.size)
+    if extents is None:
+        return False
     allocated = os.fstat(fd).st_blocks * 512
     if extents == [(0, plan.size)] and merge_ranges(plan.ranges) != [(0, plan.size)]:
         if allocated < plan.size:
@@ -659,19 +955,17 @@ def _check_extents(fd: int, plan: CopyPlan, path: str) -> bool:
         raise StagingFailure(
             "not_sparse",
             f"{path}: the filesystem allocated all {plan.size} bytes of the sparse copy; it "
-            "does not keep holes, so each rank would cost the full shard; put engram_root on "
-            "a filesystem with sparse files (ext4, xfs, btrfs)",
+            "does not keep holes, so each rank would cost the full shard; move the recipe's "
+            "[[composed_model.local_files]] host path to a filesystem with sparse files (ext4,"
+            " xfs, btrfs)",
         )
-    allowed = merge_ranges(
-        (begin // block * block, -(-end // block) * block) for begin, end in plan.ranges
-    )
-    for start, end in extents:
-        if not any(low <= start and end <= high for low, high in allowed):
-            raise StagingFailure(
-                "verify_failed",
-                f"{path}: data at [{start}, {end}) outside this rank's ranges; "
-                "the next run starts the copy afresh",
-            )
+    outside = _outside(extents, plan, os.fstat(fd).st_blksize)
+    if outside:
+        raise StagingFailure(
+            "verify_failed",
+            f"{path}: data at {outside} outside this rank's ranges; "
+            "the next run starts the copy afresh",
+        )
     for begin, end in plan.ranges:
         if not any(start <= begin and end <= stop for start, stop in extents):
             raise StagingFailure(
@@ -679,6 +973,40 @@ def _check_extents(fd: int, plan: CopyPlan, path: str) -> bool:
                 f"{path}: range [{begin}, {end}) is not all data; the next run starts afresh",
             )
     return True
+
+
+def _data_extents(fd: int, size: int) -> list[tuple[int, int]] | None:
+    """The file's data extents (SEEK_DATA/SEEK_HOLE); None when the filesystem has no such
+    seeks."""
+    extents: list[tuple[int, int]] = []
+    position = 0
+    while position < size:
+        try:
+            start = os.lseek(fd, position, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                break
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return None
+            raise
+        position = os.lseek(fd, start, os.SEEK_HOLE)
+        extents.append((start, position))
+    return extents
+
+
+def _outside(extents: Sequence[tuple[int, int]], plan: CopyPlan, block: int) -> str:
+    """The first data extent outside the ranges, as "[start, end)"; "" when there is none.
+
+    A range's data may reach the blocks its ends fall in (the filesystem allocates whole
+    blocks), not further.
+    """
+    allowed = merge_ranges(
+        (begin // block * block, -(-end // block) * block) for begin, end in plan.ranges
+    )
+    for start, end in extents:
+        if not any(low <= start and end <= high for low, high in allowed):
+            return f"[{start}, {end})"
+    return ""
 
 
 def _drop_cached(path: str) -> None:

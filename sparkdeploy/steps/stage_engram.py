@@ -2,9 +2,10 @@
 data.
 
 One python3 on the node per call, for all the node's shards: it checks them all (source,
-header, geometry, free space), says how many bytes remain to copy, then copies and verifies
-each, printing progress as it goes. The lines are read as they come (stream_lines), so progress
-reaches the caller live and the deadline is sized from the bytes left once they are known.
+header, geometry, an existing file it may adopt, free space), says how many bytes remain to
+copy, then copies and verifies each, printing progress as it goes. The lines are read as they
+come (stream_lines), so progress reaches the caller live and the deadline is sized from the
+bytes left once they are known.
 See sparkdeploy.node.stage_engram for the copy itself.
 """
 
@@ -17,7 +18,7 @@ from functools import cache
 from typing import Any, Protocol
 
 from sparkdeploy.errors import RemoteError, StagingError, TransientRemoteError
-from sparkdeploy.model.plan import EngramStage, Plan
+from sparkdeploy.model.plan import EngramStage, NodePlan, Plan
 from sparkdeploy.node import engram
 from sparkdeploy.node import hfcache as node_hfcache
 from sparkdeploy.node import stage_engram as node_staging
@@ -40,7 +41,9 @@ COPY_TIMEOUT_BASE_S = 300.0
 # then on the deadline sized from the plan is checked at every line, so that one ends it first.
 STREAM_BACKSTOP_S = 48 * 3600.0
 
-ProgressCallback = Callable[[str, str, int, int], None]  # node, dest, done, total
+# node, dest, done, total, phase: "copy" (copied and verified) or "compare" (an existing file
+# compared with the source to adopt it)
+ProgressCallback = Callable[[str, str, int, int, str], None]
 
 
 class LineSource(Protocol):
@@ -75,15 +78,18 @@ def node_request(
     *,
     nas_hf_cache: str,
     stages: Sequence[EngramStage],
+    composed_root: str | None = None,
     chunk_bytes: int = node_staging.DEFAULT_CHUNK_BYTES,
     sync_bytes: int = node_staging.DEFAULT_SYNC_BYTES,
     stop_after_chunks: int | None = None,
 ) -> dict[str, Any]:
     """What the node script reads (node_staging.Request.from_json): the plan's stages as they
-    are, serialised once, with what applies to all of them."""
+    are, serialised once, with what applies to all of them (composed_root: the node's composed
+    dir, whose hard links to a copy do not make it shared with other lanes)."""
     return {
         "node": node,
         "nas_hf_cache": nas_hf_cache,
+        "composed_root": composed_root,
         "chunk_bytes": chunk_bytes,
         "sync_bytes": sync_bytes,
         "stop_after_chunks": stop_after_chunks,
@@ -97,12 +103,13 @@ def stage_on_node(
     *,
     nas_hf_cache: str,
     stages: Sequence[EngramStage],
+    composed_root: str | None = None,
     on_progress: ProgressCallback | None = None,
     chunk_bytes: int = node_staging.DEFAULT_CHUNK_BYTES,
     sync_bytes: int = node_staging.DEFAULT_SYNC_BYTES,
     stop_after_chunks: int | None = None,
 ) -> list[StagingResult]:
-    """Make (or find, or finish) the verified sparse copy of each of a node's stages.
+    """Make (or find, adopt or finish) the verified sparse copy of each of a node's stages.
 
     stop_after_chunks is fault injection for tests: the
     node stops as if killed after writing that many chunks.
@@ -111,6 +118,7 @@ def stage_on_node(
         node,
         nas_hf_cache=nas_hf_cache,
         stages=stages,
+        composed_root=composed_root,
         chunk_bytes=chunk_bytes,
         sync_bytes=sync_bytes,
         stop_after_chunks=stop_after_chunks,
@@ -132,7 +140,13 @@ def stage_on_node(
         elif "progress" in line:
             if on_progress is not None:
                 progress = line["progress"]
-                on_progress(node, progress["dest"], progress["done"], progress["total"])
+                on_progress(
+                    node,
+                    progress["dest"],
+                    progress["done"],
+                    progress["total"],
+                    progress.get("phase", "copy"),
+                )
         elif "result" in line:
             results.append(StagingResult.from_json(line["result"]))
         elif "ok" in line:
@@ -183,9 +197,14 @@ def stage_engram(
             name,
             nas_hf_cache=plan.nas_hf_cache,
             stages=staged[name].engram,
+            composed_root=_composed_root(staged[name]),
             on_progress=on_progress,
         ),
     )
+
+
+def _composed_root(node: NodePlan) -> str | None:
+    return node.composed.root if node.composed is not None else None
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
