@@ -124,6 +124,7 @@ def deploy(
     ensure: bool = False,
     repair_cause: str | None = None,
     repairs_per_hour: int = 2,
+    update_revisions: bool = False,
 ) -> DeploySummary:
     """Deploy `recipe` on `cluster` (its first required_nodes nodes unless `nodes` names them).
 
@@ -143,6 +144,9 @@ def deploy(
     runs on its nodes. The default of scheduled deploys.
     repair_cause: set by the watchdog's automation to the unhealthy event's cause: ensure, and
     refused once repairs_per_hour repairs of this deployment started within the past hour.
+    update_revisions: an unpinned repo (a branch, `main`) that the NAS holds already is moved to
+    the branch's commit on the hub now; without it the deploy uses the commit the NAS has held
+    since the repo first entered it, as every ensure and repair does.
     """
     skipped = set(skip or ())
     clock = StepClock()
@@ -175,6 +179,7 @@ def deploy(
             plan.nas_hf_cache,
             plan.hub_endpoint,
             allow_http_token=plan.hub_allow_http_token,
+            update_revisions=update_revisions,
         )
     )
     fitted = (

@@ -18,15 +18,20 @@ from tasks.prefetch import prefetch_repos
     on_completion=[artifacts_written],
     on_failure=[artifacts_written],
 )
-def prefetch_all(cluster: str, recipes: str = "*") -> list[RepoOutcome]:
+def prefetch_all(
+    cluster: str, recipes: str = "*", update_revisions: bool = False, rehash: bool = False
+) -> list[RepoOutcome]:
     """Scheduled nightly: tomorrow's deploys then find their weights complete on the NAS.
 
     `recipes` is a glob on recipe names (e.g. "lab-*" for the lab, whose hub holds only the
-    lab's models)."""
+    lab's models). An unpinned repo stays at the commit the NAS holds (update_revisions moves
+    it to the hub's); rehash hashes every file of the NAS cache again."""
     inventory = load_cluster(find_cluster(cluster))
     return prefetch_repos(
         repos_of_deployable_recipes(recipes),
         inventory.nas.hf_cache,
         inventory.hub.endpoint,
         allow_http_token=inventory.hub.allow_http_token,
+        update_revisions=update_revisions,
+        rehash=rehash,
     )

@@ -131,8 +131,12 @@ def prefetch_repos(
     endpoint: str | None = None,
     max_workers: int = 8,
     allow_http_token: bool = False,
+    update_revisions: bool = False,
+    rehash: bool = False,
 ) -> list[RepoOutcome]:
-    """Put every repo (at its pinned revision, if any) into the NAS HF cache on the flow host."""
+    """Put every repo (at its pinned revision, if any; an unpinned one at the commit the NAS
+    holds, unless update_revisions) into the NAS HF cache on the flow host; rehash: hash every
+    file again."""
     logger = get_run_logger()
     token, token_source = load_hub_token()
     hub = HubAccess(
@@ -149,7 +153,14 @@ def prefetch_repos(
         nas_hf_cache,
         "authenticated" if hub.token else "anonymous",
     )
-    outcomes = prefetch(repos, Path(nas_hf_cache), hub, observer=PrefectReporter(logger))
+    outcomes = prefetch(
+        repos,
+        Path(nas_hf_cache),
+        hub,
+        observer=PrefectReporter(logger),
+        update_revisions=update_revisions,
+        rehash=rehash,
+    )
     fetched = sum(o.fetched_bytes for o in outcomes)
     publish_table(
         table=files_table(outcomes),

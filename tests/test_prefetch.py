@@ -39,7 +39,7 @@ def test_cold_prefetch_then_warm_rerun_fetches_nothing(
     hub.reset_stats()
     warm = fetch(hub, nas)
     assert warm.fetched_bytes == 0 and hub.bytes_served == 0
-    assert hub.request_count == 1  # the revision lookup; the manifest answers the rest
+    assert hub.request_count == 0  # main is the commit the NAS holds; the manifest answers
 
 
 def test_not_enough_space_fails_before_fetching_anything(

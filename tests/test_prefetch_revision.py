@@ -7,10 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from huggingface_hub import snapshot_download
 from prefetch_hub import TINY, RecordingObserver, fetch, snapshot_matches_hub
 
 from lab.hub import HubServer
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
+from sparkdeploy.node.hfcache import resolve_snapshot
 from sparkdeploy.steps.prefetch import HubAccess, RepoSpec, prefetch
 
 pytest_plugins = ["prefetch_fixtures"]
@@ -72,3 +74,47 @@ def test_a_retry_after_longer_than_the_bound_is_not_waited_for(hub: HubServer, n
         fetch(hub, nas)
     assert raised.value.retry_after_s == 600
     assert hub.request_count == 1
+
+
+def test_an_unpinned_repo_stays_at_the_commit_the_nas_holds_until_asked_to_move(
+    hub: HubServer, nas: Path, repos_dir: Path
+) -> None:
+    """main is resolved when the repo first enters the NAS; the hub's main moving since (here a
+    new file, as a repo that grew `original/` copies) changes nothing for later prefetches, and
+    costs no hub call, until update_revisions asks for the newer commit."""
+    first = fetch(hub, nas)
+    (repos_dir / TINY / "original").mkdir()
+    (repos_dir / TINY / "original" / "consolidated.safetensors").write_bytes(b"\0" * 4096)
+    hub.reset_stats()
+    observer = RecordingObserver()
+    again = fetch(hub, nas, observer=observer)
+    assert again.sha == first.sha and again.fetched_bytes == 0
+    assert hub.request_count == 0
+    assert any("as the NAS cache holds it" in m for m in observer.messages), observer.messages
+    assert resolve_snapshot(str(nas), TINY, None)[0] == first.sha
+
+    observer = RecordingObserver()
+    moved = fetch(hub, nas, observer=observer, update_revisions=True)
+    assert moved.sha != first.sha
+    assert any(f"moved from {first.sha[:12]} to {moved.sha[:12]}" in m for m in observer.messages)
+    assert resolve_snapshot(str(nas), TINY, None)[0] == moved.sha
+
+
+def test_a_cache_filled_by_snapshot_download_is_adopted_without_fetching_a_byte(
+    hub: HubServer, nas: Path
+) -> None:
+    """What `hf download` leaves (huggingface_hub's own snapshot_download, from the same hub) is
+    hashed once and adopted: no byte is fetched, and the next prefetch asks the hub nothing.
+    rehash hashes every file again."""
+    snapshot_download(TINY, cache_dir=nas, endpoint=hub.url, token=False)
+    hub.reset_stats()
+    observer = RecordingObserver()
+    adopted = fetch(hub, nas, observer=observer)
+    assert adopted.fetched_bytes == 0 and hub.bytes_served == 0
+    hashed = [m for m in observer.messages if "hashed" in m]
+    assert hashed and f"({adopted.total_bytes} bytes)" in hashed[0], observer.messages
+    hub.reset_stats()
+    assert fetch(hub, nas).fetched_bytes == 0 and hub.request_count == 0
+    observer = RecordingObserver()
+    assert fetch(hub, nas, observer=observer, rehash=True).fetched_bytes == 0
+    assert any("hashed" in m for m in observer.messages), observer.messages

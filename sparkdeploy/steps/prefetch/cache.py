@@ -25,6 +25,7 @@ from huggingface_hub.file_download import repo_folder_name
 from sparkdeploy.errors import PrefetchError
 from sparkdeploy.remote.hf_tree_cache import TreeFile, write_commit_files
 from sparkdeploy.steps.prefetch.hub import HubFile, RepoLike, Verification
+from sparkdeploy.steps.prefetch.names import is_commit_sha
 from sparkdeploy.units import human_bytes
 
 MANIFEST_DIRNAME = ".sparkdeploy"
@@ -197,6 +198,16 @@ def write_tree_cache(storage: Path, sha: str, files: Sequence[HubFile]) -> None:
         sha,
         {f.path: TreeFile(size=f.size, blob_id=f.blob_id, lfs_sha256=f.lfs_sha256) for f in files},
     )
+
+
+def read_ref(cache_dir: Path, ref: RepoLike) -> str | None:
+    """The commit refs/<branch> names in the cache for a branch or tag (None: not there)."""
+    path = storage_dir(cache_dir, ref.repo) / "refs" / (ref.revision or "main")
+    try:
+        sha = path.read_text().strip()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    return sha if is_commit_sha(sha) else None
 
 
 def write_ref(cache_dir: Path, ref: RepoLike, sha: str) -> None:

@@ -19,6 +19,7 @@ from sparkdeploy.steps.prefetch.cache import (
     check_free_space,
     complete_outcome,
     missing_bytes,
+    read_ref,
     remove_abandoned_partials,
     still_verified,
     storage_dir,
@@ -27,7 +28,13 @@ from sparkdeploy.steps.prefetch.cache import (
     write_tree_cache,
 )
 from sparkdeploy.steps.prefetch.download import fetch_files
-from sparkdeploy.steps.prefetch.hub import HubAccess, HubFile, RepoLike, check_token_transport
+from sparkdeploy.steps.prefetch.hub import (
+    HubAccess,
+    HubFile,
+    RepoLike,
+    RepoSpec,
+    check_token_transport,
+)
 from sparkdeploy.steps.prefetch.lock import repo_lock
 from sparkdeploy.steps.prefetch.names import check_revision_name, is_commit_sha
 from sparkdeploy.steps.prefetch.progress import Meter, PrefetchObserver, SilentObserver
@@ -54,12 +61,20 @@ def prefetch(
     observer: PrefetchObserver | None = None,
     lock_wait_s: float = 6 * 3600.0,
     progress_interval_s: float = 1.0,
+    update_revisions: bool = False,
+    rehash: bool = False,
 ) -> list[RepoOutcome]:
     """Make every repo complete in the HF cache at `cache_dir`; returns what each one holds.
 
-    Idempotent: a repo whose manifest matches the disk costs at most one hub call (none when the
-    revision is a commit sha). Raises TransientPrefetchError for failures worth retrying and
-    PrefetchError for everything the operator must fix.
+    A branch or tag (an unpinned repo: `main`) is resolved once, when the repo first enters the
+    cache: from then on it means the commit the cache's refs/<branch> names, without asking the
+    hub, so a redeploy or a repair at night never pulls weights the hub's branch moved to since.
+    `update_revisions` asks the hub for the branch's commit now (and says how far it moved).
+    A repo whose manifest matches the disk costs no hub call; a cache another client filled
+    (`hf download`, snapshot_download) is adopted by hashing each file once, fetching only what
+    is missing or wrong. `rehash` hashes every file again, whatever the manifest says.
+    Raises TransientPrefetchError for failures worth retrying and PrefetchError for everything
+    the operator must fix.
     """
     observer = observer or SilentObserver()
     if not cache_dir.is_dir():
@@ -75,11 +90,24 @@ def prefetch(
     outcomes: dict[tuple[str, str | None], RepoOutcome] = {}
     pending: list[_Pending] = []
     for ref in _unique(repos):
+        files: list[HubFile] | None
         if ref.revision is not None and is_commit_sha(ref.revision):
             sha, files = ref.revision, None  # a pinned commit: the manifest may answer alone
+        elif (held := read_ref(cache_dir, ref)) is not None and not update_revisions:
+            sha, files = held, None
+            observer.on_message(
+                f"{ref.repo}@{ref.revision or 'main'}: commit {held[:12]}, as the NAS cache holds"
+                " it since the repo entered it (the hub is not asked: deploy with"
+                " update_revisions=true for the branch's newer commit)"
+            )
         else:
             sha, files = revision_files(api, ref, hub, observer)
-        complete = complete_outcome(cache_dir, ref, sha)
+            if held is not None and held != sha:
+                observer.on_message(
+                    f"{ref.repo}@{ref.revision or 'main'} moved from {held[:12]} to {sha[:12]}"
+                    " on the hub: fetching the new commit (update_revisions)"
+                )
+        complete = None if rehash else complete_outcome(cache_dir, ref, sha)
         if complete is not None:
             write_ref(cache_dir, ref, sha)
             outcomes[(ref.repo, ref.revision)] = complete
@@ -89,13 +117,13 @@ def prefetch(
             )
             continue
         if files is None:
-            _, files = revision_files(api, ref, hub, observer)
+            _, files = revision_files(api, RepoSpec(ref.repo, sha), hub, observer)
         pending.append(_Pending(ref, sha, files, missing_bytes(cache_dir, ref.repo, sha, files)))
 
     check_free_space(cache_dir, {p.ref.repo: p.missing_bytes for p in pending})
     meter = Meter(sum(p.missing_bytes for p in pending), observer, progress_interval_s)
     for item in pending:
-        outcome = _complete_repo(cache_dir, item, hub, observer, meter, lock_wait_s)
+        outcome = _complete_repo(cache_dir, item, hub, observer, meter, lock_wait_s, rehash)
         outcomes[(item.ref.repo, item.ref.revision)] = outcome
     return [outcomes[(ref.repo, ref.revision)] for ref in _unique(repos)]
 
@@ -114,6 +142,7 @@ def _complete_repo(
     observer: PrefetchObserver,
     meter: Meter,
     lock_wait_s: float,
+    rehash: bool,
 ) -> RepoOutcome:
     ref, sha = item.ref, item.sha
     storage = storage_dir(cache_dir, ref.repo)
@@ -121,14 +150,14 @@ def _complete_repo(
     reserved = item.missing_bytes
     with repo_lock(storage, ref.repo, wait_s=lock_wait_s, observer=observer):
         # Another flow may have completed the repo while this one waited for the lock.
-        done_meanwhile = complete_outcome(cache_dir, ref, sha)
+        done_meanwhile = None if rehash else complete_outcome(cache_dir, ref, sha)
         if done_meanwhile is not None:
             meter.retarget(-reserved)
             observer.on_message(f"{ref.repo}@{sha[:12]}: completed by another prefetch meanwhile")
             write_ref(cache_dir, ref, sha)
             return done_meanwhile
         remove_abandoned_partials(storage / "blobs", keep={f.blob_name for f in item.files})
-        verified = still_verified(cache_dir, ref.repo, sha)
+        verified = {} if rehash else still_verified(cache_dir, ref.repo, sha)
         to_fetch = check_files(snapshot, item.files, verified, observer, ref.repo)
         fetched: set[str] = set()
         # A file that arrives corrupt is fetched once more; corrupt twice means the hub's copy is.

@@ -4,6 +4,7 @@ small one. A file that does not match is removed (its blob too), so it is fetche
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -52,8 +53,16 @@ def check_files(
             f"{repo}: verifying {len(to_hash)} files, {human_bytes(sum(f.size for f in to_hash))}"
         )
     workers = max(1, min(4, os.cpu_count() or 1))
+    started = time.monotonic()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prefetch-verify") as pool:
         entries = list(pool.map(lambda f: _verified_entry(snapshot / f.path, f), to_hash))
+    if to_hash:
+        hashed = sum(f.size for f in to_hash)
+        seconds = time.monotonic() - started
+        observer.on_message(
+            f"{repo}: hashed {len(to_hash)} files, {human_bytes(hashed)} ({hashed} bytes), in"
+            f" {seconds:.2f} s ({human_bytes(int(hashed / max(seconds, 1e-6)))}/s)"
+        )
     for f, entry in zip(to_hash, entries, strict=True):
         if entry is not None:
             verified[f.path] = entry
