@@ -1,4 +1,5 @@
-"""`python -m lab up [--nodes N] [--ops-hosts N] [--name NAME]`, `python -m lab down [--name NAME]`,
+"""`python -m lab up [--nodes N] [--ops-hosts N] [--name NAME] [--brownfield]`,
+`python -m lab down [--name NAME]`,
 `python -m lab status [--name NAME]`, `python -m lab image [--name NAME]`,
 `python -m lab models [--name NAME]` (the lab recipes' models, into the lab hub),
 `python -m lab real-engine [--name NAME]` (real vLLM's CPU build: runtime, image and model)."""
@@ -9,6 +10,7 @@ import argparse
 import json
 import sys
 
+from lab.brownfield import BROWNFIELD_IMAGE, BROWNFIELD_RECIPE, LANE_DIR, make_brownfield
 from lab.cluster import Lab
 from lab.image import build_engine_image
 from lab.layout import DEFAULT_NAME, DEFAULT_NODES
@@ -29,6 +31,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="hosts on the lab fabric for Prefect workers (no sshd or dockerd)",
     )
+    up.add_argument(
+        "--brownfield",
+        action="store_true",
+        help="then put it in the state the old launcher leaves for recipes/lab-dsv41-brownfield"
+        " (lab/brownfield.py): hand-made Engram copies another lane hardlinks, an hf download"
+        " NAS cache, a :local image on every node, a container that is not ours",
+    )
     for command, help_text in (
         ("down", "tear the lab down, leaving nothing"),
         ("status", "addresses and processes of the lab, as JSON"),
@@ -46,6 +55,17 @@ def main(argv: list[str] | None = None) -> int:
             lab = Lab(options.name, options.nodes, options.ops_hosts)
             seconds = lab.up()
             print(f"lab {lab.name!r} up in {seconds:.2f} s; inventory: {lab.inventory_path}")
+            if options.brownfield:
+                build_engine_image(lab)
+                publish_lab_models(lab.hub_repos_dir)
+                field = make_brownfield(lab, str(BROWNFIELD_RECIPE))
+                print(
+                    f"brownfield: {len(field.copies)} hand-made Engram copies (lane links under"
+                    f" {LANE_DIR}), NAS cache of {', '.join(field.nas_repos)} from"
+                    f" snapshot_download, {BROWNFIELD_IMAGE} ({field.image_id[:19]}) on every"
+                    f" node, container {field.foreign_container} on {field.foreign_node}; deploy"
+                    f" {BROWNFIELD_RECIPE.name} onto it"
+                )
         elif options.command == "down":
             seconds = Lab(options.name).down()
             print(f"lab {options.name!r} down in {seconds:.2f} s")

@@ -205,6 +205,26 @@ class Lab:
         namespaces and /proc/PID/root are the node's)."""
         return lab_daemons.daemon_pid(self.layout, daemon)
 
+    def node_path(self, node: str, path: str) -> Path:
+        """A path as the node sees it (its own mounts), from the host: under /proc/PID/root of
+        the node's sshd, its symlinks followed there (an absolute one, like the node's /var/tmp
+        -> /tmp, would otherwise lead back to the host's)."""
+        root = Path(f"/proc/{self.daemon_pid(f'{node}/sshd')}/root")
+        resolved = Path("/")
+        parts = list(Path(path).parts[1:])
+        for _ in range(40):
+            if not parts:
+                return root / resolved.relative_to("/")
+            here = resolved / parts.pop(0)
+            target = root / here.relative_to("/")
+            if target.is_symlink():
+                link = Path(os.readlink(target))
+                parts = [*link.parts[1:], *parts] if link.is_absolute() else [*link.parts, *parts]
+                resolved = Path("/") if link.is_absolute() else resolved
+            else:
+                resolved = here
+        raise LabError(f"{path} on {node}: too many symlinks")
+
 
 def _check_prerequisites() -> None:
     if os.geteuid() != 0:

@@ -702,27 +702,6 @@ def fault_dsv41(lab_cluster: Lab, tmp_path_factory: pytest.TempPathFactory) -> s
     return str(recipe.parent)
 
 
-def node_path(lab: Lab, node: str, path: str) -> Path:
-    """A path as the node sees it (its own mounts), from the host: under /proc/PID/root of the
-    node's sshd, its symlinks followed there (an absolute one, like the node's /var/tmp ->
-    /tmp, would otherwise lead back to the host's)."""
-    root = Path(f"/proc/{lab.daemon_pid(f'{node}/sshd')}/root")
-    resolved = Path("/")
-    parts = list(Path(path).parts[1:])
-    for _ in range(40):
-        if not parts:
-            return root / resolved.relative_to("/")
-        here = resolved / parts.pop(0)
-        target = root / here.relative_to("/")
-        if target.is_symlink():
-            link = Path(os.readlink(target))
-            parts = [*link.parts[1:], *parts] if link.is_absolute() else [*link.parts, *parts]
-            resolved = Path("/") if link.is_absolute() else resolved
-        else:
-            resolved = here
-    raise AssertionError(f"{path} on {node}: too many symlinks")
-
-
 def staged_files(cluster: str, recipe: str, node: str) -> list[str]:
     plan_node = next(n for n in load_plan(recipe, cluster).nodes if n.node == node)
     return [stage.dest for stage in plan_node.engram]
@@ -795,7 +774,7 @@ def during_staging(
 
     def strike() -> None:
         try:
-            partials = [node_path(lab, node, f"{dest}.partial") for dest in dests]
+            partials = [lab.node_path(node, f"{dest}.partial") for dest in dests]
             wait_for("the staging copy", lambda: any(p.exists() for p in partials))
             pid = wait_for("the staging process", lambda: staging_process(lab, node))
             os.kill(pid, signal.SIGSTOP)
@@ -872,7 +851,7 @@ def test_a_node_disk_filling_up_during_staging_fails_naming_it(
     )
 
     def fill(_: int) -> None:
-        filler = node_path(lab_cluster, "node2", f"{engram_dir}/filler")
+        filler = lab_cluster.node_path("node2", f"{engram_dir}/filler")
         with open(filler, "wb") as handle, contextlib.suppress(OSError):
             while True:
                 handle.write(b"\0" * (1 << 20))
@@ -883,7 +862,7 @@ def test_a_node_disk_filling_up_during_staging_fails_naming_it(
         assert run.failed
         attempt = run.named("stage-engram", node="node2", cause=r"\[no_space\].*disk filled up")
         for dest in dests:
-            assert not node_path(lab_cluster, "node2", dest).exists()
+            assert not lab_cluster.node_path("node2", dest).exists()
     finally:
         subprocess.run([*in_node2, "umount", engram_dir], check=True)
     nothing_left(lab_cluster, cluster)
@@ -911,7 +890,7 @@ def test_a_killed_staging_copy_fails_naming_it_and_the_re_run_resumes_it(
     attempt = run.named("stage-engram", node="node2", cause="killed by a signal")
     assert attempt.final
     for dest in dests:  # the copy is left as a partial, never as the file
-        assert not node_path(lab_cluster, "node2", dest).exists()
+        assert not lab_cluster.node_path("node2", dest).exists()
     nothing_left(lab_cluster, cluster)
     matrix.record(
         "staging copy killed",

@@ -9,7 +9,11 @@ runs `main([mode, request_json])`; the last stdout line is the JSON answer. Mode
   "unified_memory", "required_free_bytes", "drop_page_cache", "stale_label"} -> (the `create`
   dirs made first) the above plus missing paths, the memory figures of /proc/meminfo (after
   dropping the page cache when allowed and needed: `check_memory`), the GPU's compute processes,
-  GPU count, RDMA facts, and the IDs of the containers labelled `stale_label` (running or not).
+  GPU count, RDMA facts, and the IDs of the containers labelled `stale_label` (running or not)
+  and the running containers without that label (another team's: named, never touched).
+- `look`: {"image", "stale_label"} -> what `preflight` says of docker, the image and the
+  containers, and nothing else: it makes no dir, drops no cache (a preview, which writes
+  nothing on the node).
 - `reach`: {"urls"} -> for each URL, null when a TCP connection to its host and port opens
   within REACH_TIMEOUT_S, else the error: whether a registry answers from the node.
 
@@ -135,10 +139,20 @@ class EngineApi:
             info = self._expect(200, "/info", dict)
             status, inspected = self.get(f"/images/{quote(image, safe='/:@')}/json")
             stale: list[str] = []
+            foreign: list[dict[str, str]] = []
             if stale_label:
                 filters = quote(json.dumps({"label": [stale_label]}))
                 listed = self._expect(200, f"/containers/json?all=1&filters={filters}", list)
                 stale = [entry["Id"] for entry in listed]
+                running = self._expect(200, "/containers/json", list)
+                foreign = [
+                    {
+                        "name": (entry.get("Names") or ["?"])[0].lstrip("/"),
+                        "image": str(entry.get("Image", "?")),
+                    }
+                    for entry in running
+                    if stale_label not in (entry.get("Labels") or {})
+                ]
         except OSError as error:
             return _docker_down(
                 f"Cannot connect to the Docker daemon at unix://{self.socket_path} ({error})."
@@ -151,6 +165,7 @@ class EngineApi:
             "docker": docker_facts_of(info),
             "image": image_facts_of(inspected) if found else None,
             "stale_containers": stale,
+            "foreign_containers": foreign,
         }
 
     def _expect(self, wanted: int, path: str, kind: type) -> Any:
@@ -166,7 +181,12 @@ class _BadAnswer(Exception):
 
 
 def _docker_down(error: str) -> dict[str, Any]:
-    return {"docker": {"error": error}, "image": None, "stale_containers": []}
+    return {
+        "docker": {"error": error},
+        "image": None,
+        "stale_containers": [],
+        "foreign_containers": [],
+    }
 
 
 class DockerCli:
@@ -189,6 +209,7 @@ class DockerCli:
                 "--filter",
                 f"label={stale_label}",
             ]
+            questions["running"] = ["ps", "--format", "{{json .}}"]
         running: dict[str, subprocess.Popen[bytes]] = {}
         try:
             for name, args in questions.items():
@@ -211,11 +232,31 @@ class DockerCli:
             return _docker_down(error)
         image_code, image_out, _ = answers["image"]
         stale_code, stale_out, _ = answers.get("stale", (0, "", ""))
+        running_code, running_out, _ = answers.get("running", (0, "", ""))
         return {
             "docker": docker_facts_of(info),
             "image": image_facts_of(json.loads(image_out)) if image_code == 0 else None,
             "stale_containers": stale_out.split() if stale_code == 0 else [],
+            "foreign_containers": (
+                _foreign_of_cli(running_out, stale_label)
+                if running_code == 0 and stale_label
+                else []
+            ),
         }
+
+
+def _foreign_of_cli(listing: str, our_label: str) -> list[dict[str, str]]:
+    """The running containers without `our_label` in `docker ps --format '{{json .}}'` lines
+    (whose Labels are one "k=v,k=v" string)."""
+    foreign = []
+    for line in listing.splitlines():
+        entry = json.loads(line)
+        keys = {item.split("=", 1)[0] for item in str(entry.get("Labels", "")).split(",")}
+        if our_label not in keys:
+            foreign.append(
+                {"name": str(entry.get("Names", "?")), "image": str(entry.get("Image", "?"))}
+            )
+    return foreign
 
 
 def _answer(process: subprocess.Popen[bytes], args: list[str]) -> tuple[int, str, str]:
@@ -449,6 +490,8 @@ def main(argv: list[str]) -> int:
         answer = {"docker": facts["docker"], "image": facts["image"]}
     elif mode == "preflight":
         answer = preflight(request)
+    elif mode == "look":
+        answer = docker_engine().facts(request["image"], request["stale_label"])
     elif mode == "reach":
         answer = {url: reach(url) for url in request["urls"]}
     else:

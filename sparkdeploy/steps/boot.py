@@ -247,6 +247,11 @@ def _judge(plan: Plan, answers: Mapping[str, dict[str, Any]], *, log: Log) -> di
         notes: list[str] = []
         if not answer["gpu_processes"]["checked"]:
             notes.append(f"GPU processes not checked: {answer['gpu_processes']['reason']}")
+        notes += [
+            f"container {foreign['name']} (image {foreign['image']}) runs here and is not ours:"
+            " left alone; the memory it holds is not this deployment's"
+            for foreign in answer.get("foreign_containers", [])
+        ]
         checks[name] = NodeCheck(
             node=name,
             docker_version=answer["docker"]["version"],
