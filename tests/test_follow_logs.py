@@ -1,26 +1,36 @@
 """Readiness over real SSH on the lab: Connection.stream_lines, then sparkdeploy.steps.follow_logs
 following engine stand-in containers on the lab nodes (good boot, fatal lines on the head and on
 a worker, a SIGKILL from outside that is no OOM kill, a missing container). The faults through
-the whole deploy are tests/test_fault_matrix.py."""
+the whole deploy are tests/test_fault_matrix.py; a link dropped under a boot is
+tests/test_follow_logs_lab.py.
+
+Without the lab (scripted streams in place of SSH): a log stream lost mid-boot is resumed where
+it stopped, and a node that stays unreachable fails the boot naming the lost link."""
 
 from __future__ import annotations
 
 import secrets
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import pytest
 from readiness_lab import Deployment, lab_plan
 
 from lab.cluster import Lab
-from sparkdeploy.errors import BootFailed
-from sparkdeploy.model.plan import Plan
-from sparkdeploy.remote.ssh import Connection, cached_connection
+from sparkdeploy.errors import BootFailed, RemoteError, TransientRemoteError
+from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.model.plan import Plan, make_plan
+from sparkdeploy.model.recipe import load_recipe
+from sparkdeploy.remote.ssh import Connection, SshTarget, StreamEnd, cached_connection
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.steps import follow_logs
 from sparkdeploy.steps.follow_logs import gate_for, wait_until_ready
 
-pytestmark = pytest.mark.lab
+lab = pytest.mark.lab
 
 GOOD_BOOT_S = 90.0
 # A fault shows within seconds; the timeout only bounds a test that went wrong.
@@ -33,6 +43,7 @@ def node1(lab_cluster: Lab) -> Connection:
     return cached_connection(lab_cluster.ssh_target(lab_cluster.nodes[0]))
 
 
+@lab
 def test_stream_lines_merges_stdout_and_stderr_in_order_then_gives_the_exit_code(
     node1: Connection,
 ) -> None:
@@ -47,6 +58,7 @@ def _running_on_node(connection: Connection, token: str) -> bool:
     return any(token in line and "ps -eo" not in line for line in listing.splitlines())
 
 
+@lab
 def test_stream_lines_ends_when_stopped_and_the_remote_command_goes(node1: Connection) -> None:
     token = secrets.token_hex(6)
     stop = threading.Event()
@@ -66,6 +78,7 @@ def test_stream_lines_ends_when_stopped_and_the_remote_command_goes(node1: Conne
     assert not _running_on_node(node1, token), "the remote loop outlived its stream"
 
 
+@lab
 def test_stream_lines_ends_at_its_timeout_and_when_idle(node1: Connection) -> None:
     timed = node1.stream_lines(["sh", "-c", "while sleep 0.1; do echo tick; done"], timeout=1)
     assert set(timed) <= {b"tick"} and (timed.ended, timed.exit_code) == ("timeout", None)
@@ -86,6 +99,7 @@ def deploy(
     return deployment
 
 
+@lab
 def test_three_nodes_are_ready_with_the_timeline_of_every_node(
     lab_cluster: Lab, tmp_path: Path, deployments: list[Deployment]
 ) -> None:
@@ -101,6 +115,7 @@ def test_three_nodes_are_ready_with_the_timeline_of_every_node(
     assert gate.timeline == result.timeline
 
 
+@lab
 @pytest.mark.parametrize(
     ("fault", "rank", "kind", "quoted"),
     [
@@ -139,6 +154,7 @@ def _run_by_hand(plan: Plan, options: list[str], argv: list[str]) -> None:
     )
 
 
+@lab
 def test_a_docker_kill_is_named_killed(
     lab_cluster: Lab, tmp_path: Path, deployments: list[Deployment]
 ) -> None:
@@ -162,6 +178,7 @@ def test_a_docker_kill_is_named_killed(
     assert "not an OOM: State.OOMKilled is false" in caught.value.cause
 
 
+@lab
 def test_a_container_that_was_never_started_fails_at_once(
     lab_cluster: Lab, tmp_path: Path, deployments: list[Deployment]
 ) -> None:
@@ -171,3 +188,140 @@ def test_a_container_that_was_never_started_fails_at_once(
     error = caught.value
     assert (error.node, error.kind) == (plan.nodes[0].node, "container_missing")
     assert plan.nodes[0].container.name in error.cause
+
+
+# -- a lost log stream, without the lab ----------------------------------------------------------
+
+EXAMPLE_CLUSTER = Path(__file__).parent.parent / "clusters" / "dgx-spark-4.toml"
+T1 = "2025-10-20T08:12:01.000000001Z"
+T2 = "2025-10-20T08:12:40.500000000Z"
+T3 = "2025-10-20T08:13:02.000000000Z"
+BEFORE_THE_LOSS = [
+    f"{T1} (APIServer pid=1) INFO 10-20 08:12:01 [api_server.py:1839] vLLM API server version",
+    # two lines at one instant: docker's --since gives both again, neither may be fed twice
+    f"{T2} (EngineCore_DP0 pid=291) INFO 10-20 08:12:40 [default_loader.py:267] "
+    "Loading weights took 21.27 seconds",
+    f"{T2} (EngineCore_DP0 pid=291) INFO 10-20 08:12:40 [core.py:90] same instant",
+]
+AFTER_THE_LOSS = [
+    f"{T2} (EngineCore_DP0 pid=291) INFO 10-20 08:12:40 [core.py:91] third line of that instant",
+    f"{T3} (EngineCore_DP0 pid=291) ERROR 10-20 08:13:02 [core.py:708] "
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+]
+GATE_TIMEOUT_S = 30.0
+
+
+class ScriptedStream:
+    """What follow_logs reads of a LineStream: scripted lines (docker's timestamps on them),
+    then its end: "lost", or a live log that ends only when stopped."""
+
+    def __init__(self, lines: list[str], end: StreamEnd) -> None:
+        self.lines = lines
+        self.end = end
+        self.ended: StreamEnd | None = None
+        self.exit_code: int | None = None
+        self.argv: list[str] = []
+        self.stop = threading.Event()
+
+    def __iter__(self) -> Iterator[bytes]:
+        for line in self.lines:
+            yield line.encode()
+        if self.end == "stopped":
+            self.stop.wait()
+        self.ended = self.end
+
+    def close(self) -> None:
+        self.stop.set()
+
+
+class ScriptedNode:
+    """A connection factory for one node: each connect takes the next step of the script, a
+    stream its connection hands out or the RemoteError the connect fails with (the last step
+    repeats)."""
+
+    def __init__(self, *script: ScriptedStream | RemoteError) -> None:
+        self.script = list(script)
+        self.streams: list[ScriptedStream] = []
+
+    def __call__(self, target: SshTarget) -> Connection:
+        step = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        if isinstance(step, RemoteError):
+            raise step
+        return cast(Connection, _ScriptedConnection(self, step))
+
+
+@dataclass
+class _ScriptedConnection:
+    node: ScriptedNode
+    stream: ScriptedStream
+
+    def stream_lines(
+        self, argv: Sequence[str], *, timeout: float, stop: threading.Event
+    ) -> ScriptedStream:
+        self.stream.argv = list(argv)
+        self.stream.stop = stop  # a live log ends when the follower is stopped
+        self.node.streams.append(self.stream)
+        return self.stream
+
+    def close(self) -> None:
+        pass
+
+
+def one_node_plan(tmp_path: Path) -> Plan:
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(
+        'engine = "vllm"\nname = "lost link"\ndocker_image = "lab/vllm-standin:latest"\n'
+        'model = "lab/tiny"\nrequired_nodes = 1\ntensor_parallel_size = 1\n'
+    )
+    return make_plan(load_recipe(recipe), load_cluster(EXAMPLE_CLUSTER))
+
+
+def test_a_stream_lost_mid_boot_is_resumed_since_its_last_line_and_no_line_is_fed_twice(
+    tmp_path: Path,
+) -> None:
+    plan = one_node_plan(tmp_path)
+    node = ScriptedNode(
+        ScriptedStream(BEFORE_THE_LOSS, "lost"),
+        ScriptedStream([*BEFORE_THE_LOSS[1:], *AFTER_THE_LOSS], "stopped"),
+    )
+    gate = gate_for(plan)
+    with pytest.raises(BootFailed) as caught:
+        wait_until_ready(plan, gate, timeout_s=GATE_TIMEOUT_S, connection_for=node)
+    # the fatal line after the loss is seen, not the gate's timeout
+    assert (caught.value.node, caught.value.kind) == (plan.head.node, "cuda_out_of_memory")
+    first, resumed = node.streams
+    assert "--since" not in first.argv and "--timestamps" in first.argv
+    assert resumed.argv[resumed.argv.index("--since") + 1] == T2
+    fed = [line.split(" ", 1)[1] for line in [*BEFORE_THE_LOSS, *AFTER_THE_LOSS]]
+    assert gate.watch.lines(plan.head.node) == fed  # docker's timestamps stripped, none twice
+    assert [entry.marker for entry in gate.timeline] == ["weights_loaded"]
+
+
+def test_a_node_that_stays_unreachable_fails_naming_the_lost_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(follow_logs, "RECONNECT_WINDOW_S", 1.0)
+    plan = one_node_plan(tmp_path)
+    head = plan.head.node
+    refused = TransientRemoteError(f"root@{head}:22: cannot connect: timed out")
+    node = ScriptedNode(ScriptedStream(BEFORE_THE_LOSS, "lost"), refused)
+    started = time.monotonic()
+    with pytest.raises(BootFailed) as caught:
+        wait_until_ready(plan, gate_for(plan), timeout_s=GATE_TIMEOUT_S, connection_for=node)
+    error = caught.value
+    assert time.monotonic() - started < GATE_TIMEOUT_S / 2, "it waited out the gate's timeout"
+    assert (error.node, error.kind) == (head, "link_lost")
+    assert f"lost the SSH link to {head}" in error.cause and "could not reconnect" in error.cause
+    assert str(refused) in error.cause
+
+
+def test_the_timeout_while_a_link_is_down_names_the_link_not_the_markers(tmp_path: Path) -> None:
+    plan = one_node_plan(tmp_path)
+    head = plan.head.node
+    refused = TransientRemoteError(f"root@{head}:22: cannot connect: timed out")
+    node = ScriptedNode(ScriptedStream(BEFORE_THE_LOSS, "lost"), refused)
+    with pytest.raises(BootFailed) as caught:
+        wait_until_ready(plan, gate_for(plan), timeout_s=1.5, connection_for=node)
+    error = caught.value
+    assert (error.node, error.kind) == (head, "link_lost")
+    assert "not back within the timeout of 1.5 s" in error.cause and str(refused) in error.cause

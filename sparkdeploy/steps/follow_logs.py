@@ -3,8 +3,13 @@
     gate = gate_for(plan)
     result = wait_until_ready(plan, gate)      # GateResult, or errors.BootFailed
 
-For each node, `docker logs --follow <container>` streams over that node's SSH connection (stdout
-and stderr merged) into the gate's queue; when a log ends because its container stopped,
+For each node, `docker logs --follow --timestamps <container>` streams over that node's SSH
+connection (stdout and stderr merged) into the gate's queue, docker's timestamp taken off each
+line first. When the SSH link under a stream drops (the stream ends "lost"), the follower
+reconnects with backoff and resumes with `--since` the last line's timestamp, skipping the lines
+of that instant it fed already, so no line is lost or fed twice; a node unreachable for
+RECONNECT_WINDOW_S fails the boot naming the lost link. When a log ends because its container
+stopped,
 `docker wait <container>` supplies the exit code (or says there is no such container) and
 `docker inspect` docker's State.OOMKilled, so an exit 137 is named an OOM kill only when the
 kernel says so. The
@@ -16,9 +21,10 @@ is not done here.
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from sparkdeploy.errors import RemoteError
@@ -30,6 +36,8 @@ from sparkdeploy.steps.readiness_gate import (
     ExitStatus,
     GateEvent,
     GateResult,
+    LinkLost,
+    LinkRestored,
     ReadinessGate,
     follow_lines,
 )
@@ -40,6 +48,18 @@ STREAM_MARGIN_S = 30.0
 DOCKER_COMMAND_TIMEOUT_S = 15.0
 FOLLOWER_JOIN_S = 2.0
 NO_SUCH_CONTAINER = "No such container"
+# A node unreachable this long is no blip (a switch reboot, a pulled cable): the boot fails
+# naming the link rather than waiting out the readiness timeout (600 s by default) for lines
+# that cannot arrive.
+RECONNECT_WINDOW_S = 60.0
+# Reconnects after a lost stream wait 1, 2, 4, 8, 8... s (a connect to a node that does not
+# answer takes up to its connect timeout on top).
+RECONNECT_FIRST_DELAY_S = 1.0
+RECONNECT_MAX_DELAY_S = 8.0
+# docker's --timestamps prefix: RFC 3339 with nanoseconds, then one space.
+_DOCKER_STAMP = re.compile(
+    r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d)) (.*)", re.S
+)
 
 ConnectionFactory = Callable[[SshTarget], Connection]
 
@@ -63,36 +83,100 @@ def gate_for(plan: Plan, *, started_at: float | None = None) -> ReadinessGate:
 
 
 class _Follower:
-    """One node's `docker logs --follow`, feeding the gate's queue from a thread."""
+    """One node's `docker logs --follow`, feeding the gate's queue from a thread; it reconnects
+    and resumes when the SSH link under it drops."""
 
     def __init__(
         self,
         node: NodePlan,
-        connection: Connection,
+        connection_for: ConnectionFactory,
         stop: threading.Event,
         events: queue.Queue[GateEvent],
+        timeout_s: float,
     ) -> None:
         self.node = node
-        self.connection = connection
+        self.target = node_target(node)
+        self.connection_for = connection_for
+        self.connection = connection_for(self.target)
         self.stop = stop
         self.events = events
+        self.ends_at = time.monotonic() + timeout_s + STREAM_MARGIN_S
         self.stream: LineStream | None = None
         self.thread: threading.Thread | None = None
+        # docker's timestamp of the last line fed, and how many lines fed carried it: `--since`
+        # gives that instant's lines again.
+        self.last_stamp: str | None = None
+        self.fed_at_stamp = 0
 
     @property
     def container(self) -> str:
         return self.node.container.name
 
-    def start(self, timeout_s: float) -> None:
-        lifetime_s = timeout_s + STREAM_MARGIN_S
+    def start(self) -> None:
+        self.stream = self._open()
+        lines = self._lines(self.stream)
+        self.thread = follow_lines(self.events, self.node.node, lines, self.exit_status)
+
+    def _open(self) -> LineStream:
+        lifetime_s = max(self.ends_at - time.monotonic(), 1.0)
+        since = [] if self.last_stamp is None else ["--since", self.last_stamp]
         # `timeout` bounds the follower on the node too: closing the SSH channel alone leaves
         # `docker logs` running until its container prints again.
-        self.stream = self.connection.stream_lines(
-            ["timeout", f"{lifetime_s:.0f}", "docker", "logs", "--follow", self.container],
-            timeout=lifetime_s,
-            stop=self.stop,
+        argv = ["timeout", f"{lifetime_s:.0f}", "docker", "logs", "--follow", "--timestamps"]
+        return self.connection.stream_lines(
+            [*argv, *since, self.container], timeout=lifetime_s, stop=self.stop
         )
-        self.thread = follow_lines(self.events, self.node.node, self.stream, self.exit_status)
+
+    def _lines(self, stream: LineStream | None) -> Iterator[str]:
+        """The log's lines without docker's timestamps, across reconnects, each once."""
+        while stream is not None:
+            yield from self._unseen(stream)
+            stream = self._reconnect() if stream.ended == "lost" else None
+
+    def _unseen(self, stream: LineStream) -> Iterator[str]:
+        replayed = self.fed_at_stamp if self.last_stamp is not None else 0
+        for raw in stream:
+            text = raw.decode("utf-8", "replace")
+            match = _DOCKER_STAMP.fullmatch(text)
+            if match is None:  # docker's own complaint (no such container), not a log line
+                yield text
+                continue
+            stamp, line = match.groups()
+            if stamp != self.last_stamp:
+                self.last_stamp, self.fed_at_stamp, replayed = stamp, 0, 0
+            elif replayed:
+                replayed -= 1
+                continue
+            self.fed_at_stamp += 1
+            yield line
+
+    def _reconnect(self) -> LineStream | None:
+        """A new connection and the log resumed on it; None when stopped or given up (the gate
+        is told while the link is down, and when this gives up)."""
+        lost_at = time.monotonic()
+        detail = "its log stream ended without the command's exit (the SSH connection died)"
+        self.events.put(LinkLost(self.node.node, detail, lost_at, lost_at))
+        # A connection whose transport has not noticed it is dead yet would be handed back by
+        # the cache: closed, cached_connection connects anew.
+        self.connection.close()
+        delay = RECONNECT_FIRST_DELAY_S
+        while not self.stop.is_set():
+            try:
+                self.connection = self.connection_for(self.target)
+                self.stream = self._open()
+            except RemoteError as error:
+                detail = str(error)
+            else:
+                self.events.put(LinkRestored(self.node.node, time.monotonic()))
+                return self.stream
+            now = time.monotonic()
+            given_up = now + delay - lost_at > RECONNECT_WINDOW_S
+            self.events.put(LinkLost(self.node.node, detail, lost_at, now, given_up))
+            if given_up:
+                return None
+            self.stop.wait(delay)
+            delay = min(delay * 2, RECONNECT_MAX_DELAY_S)
+        return None
 
     def exit_status(self) -> ExitStatus | None:
         """How the container ended once its log has ended with it; None while it runs.
@@ -154,8 +238,8 @@ def wait_until_ready(
 
     def attach(node: NodePlan) -> _Follower:
         try:
-            follower = _Follower(node, connection_for(node_target(node)), stop, events)
-            follower.start(timeout)
+            follower = _Follower(node, connection_for, stop, events, timeout)
+            follower.start()
         except RemoteError as error:
             raise type(error)(
                 f"node {node.node}: following its container's log: {error}"

@@ -3,7 +3,10 @@
 Whoever follows the logs (`docker logs -f` over SSH, a local process in tests) puts LogLine
 events, and a ContainerExited event once a container has stopped (ContainerMissing when there
 is no such container), on one queue.Queue; `follow_lines` does that for any iterable of lines.
-The gate consumes the queue:
+A follower whose SSH link dropped puts LinkLost while it reconnects (LinkRestored once its log
+is followed again) and LinkLost with given_up when it stops trying: the boot then fails naming
+the lost link, as does the timeout while a link is down, rather than blaming the engine for
+the lines that could not arrive. The gate consumes the queue:
 
     gate = ReadinessGate(head="node1", workers=["node2", "node3"])
     result = gate.wait(events, endpoint="http://10.77.0.11:8000", served_model_name="dsv41",
@@ -63,6 +66,11 @@ TRAILING_LINES_GRACE_S = 0.3
 # The one test completion gets the gate's time left, but never less than this.
 COMPLETION_MIN_TIMEOUT_S = 30.0
 _MAX_QUOTED_LINE = 400
+# The fix for `link_lost`, no engine fault (sparkdeploy.vllm.markers' hints are the engine's).
+LINK_LOST_HINT = (
+    "check the node's network and its sshd (ping it, ssh to it), then redeploy; nothing says "
+    "the engine failed"
+)
 
 # "(EngineCore_DP0 pid=12) ERROR 09-18 12:00:00 [core.py:708] " and uvicorn's "INFO:     ".
 _VLLM_PREFIX = re.compile(
@@ -105,7 +113,26 @@ class ContainerMissing:
     t: float
 
 
-GateEvent = LogLine | ContainerExited | ContainerMissing
+@dataclass(frozen=True)
+class LinkLost:
+    """The SSH link under a node's log stream dropped at `since` (time.monotonic()); its lines
+    cannot arrive until LinkRestored. `detail`: why it is not back (the last reconnect's error).
+    `given_up`: the follower stopped trying, so the boot cannot be watched there."""
+
+    node: str
+    detail: str
+    since: float
+    t: float
+    given_up: bool = False
+
+
+@dataclass(frozen=True)
+class LinkRestored:
+    node: str
+    t: float
+
+
+GateEvent = LogLine | ContainerExited | ContainerMissing | LinkLost | LinkRestored
 
 
 @dataclass(frozen=True)
@@ -131,6 +158,7 @@ class Failure:
     cause: str
     excerpt: list[str]
     log_node: str | None = None  # whose log the excerpt is, when not the failed node's
+    hint: str | None = None  # when FAILURE_HINTS has none for this kind
 
     def followed_by(self, lines: Sequence[str]) -> Failure:
         """The same failure with the log lines that came after the fatal one quoted too."""
@@ -138,7 +166,7 @@ class Failure:
 
     def to_error(self, seconds: float) -> BootFailed:
         quoted = "\n".join(f"  | {line}" for line in self.excerpt)
-        hint = FAILURE_HINTS.get(self.kind, FAILURE_HINTS["container_exited"])
+        hint = self.hint or FAILURE_HINTS.get(self.kind, FAILURE_HINTS["container_exited"])
         message = (
             f"boot failed on {self.node} after {seconds:.1f} s ({self.kind}): {self.cause}\n"
             f"log of {self.log_node or self.node}:\n{quoted}\nfix: {hint}"
@@ -310,6 +338,8 @@ class BootWatch:
         for worker in workers:
             self._nodes[worker] = _progress(worker_markers, worker_recorded_markers)
         self._failure_markers = _compile(failure_markers)
+        # The nodes whose log cannot arrive now (their link dropped, reconnecting).
+        self.links_down: dict[str, LinkLost] = {}
 
     @property
     def nodes(self) -> list[str]:
@@ -359,6 +389,16 @@ class BootWatch:
         if isinstance(event, ContainerMissing):
             cause = f"its container does not exist on {event.node} ({event.detail})"
             return Failure(event.node, "container_missing", cause, [_quote(event.detail)])
+        if isinstance(event, LinkRestored):
+            self.links_down.pop(event.node, None)
+            return None
+        if isinstance(event, LinkLost):
+            self.links_down[event.node] = event
+            if not event.given_up:
+                return None
+            return self.link_lost(
+                event, f"could not reconnect for {event.t - event.since:.0f} s: {event.detail}"
+            )
         earlier = list(progress.lines)
         progress.lines.append(event.line)
         for name, pattern in self._failure_markers:
@@ -379,6 +419,16 @@ class BootWatch:
                 self.head_figures.update(figures)
             self.record(name, event.node, event.t, figures, strip_log_prefix(event.line))
         return None
+
+    def link_lost(self, event: LinkLost, outcome: str) -> Failure:
+        """The boot failed because `event.node`'s log stopped arriving; `outcome`: what came
+        of reconnecting."""
+        cause = (
+            f"lost the SSH link to {event.node} {event.since - self.started_at:.1f} s into the "
+            f"boot (its log stream broke off) and {outcome}; its engine was not seen to fail"
+        )
+        excerpt = self.tail(event.node) or ["(no log lines from this node)"]
+        return Failure(event.node, "link_lost", cause, excerpt, hint=LINK_LOST_HINT)
 
     def _exited(self, event: ContainerExited, progress: _NodeProgress) -> Failure:
         lines = list(progress.lines)
@@ -658,6 +708,11 @@ class ReadinessGate:
     ) -> BootFailed:
         awaited = self.watch.awaited()
         unjoined = self.watch.unjoined_workers()
+        lost = next(iter(self.watch.links_down.values()), None)
+        if lost is not None:
+            # Its markers (or its join) could not arrive: the link is the cause, not the engine.
+            outcome = f"it was not back within the timeout of {timeout_s} s: {lost.detail}"
+            return self.watch.link_lost(lost, outcome).to_error(self._elapsed())
         if unjoined:
             # The head waits for them at "world_size=N rank=0 ... backend=gloo", saying nothing.
             names = ", ".join(unjoined)
