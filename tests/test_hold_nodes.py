@@ -40,6 +40,7 @@ from sparkdeploy.steps.hold_nodes import (
     limit_name,
     records,
     release_nodes,
+    slots,
 )
 from sparkdeploy.steps.hold_nodes import queue as wait_queue
 
@@ -583,3 +584,50 @@ def test_holders_and_release_go_by_the_records_and_skip_old_ones(prefect_harness
     assert release_nodes("rec", ["n1"], "dep-old") == []
     assert release_nodes("rec", ["n1"], "dep-r") == ["n1"]
     assert holders("rec", ["n1"]) == {"n1": None}
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [httpx.ConnectError("the API went away"), KeyboardInterrupt()],
+    ids=["api-failure", "interrupted"],
+)
+def test_a_failure_between_taking_the_slots_and_recording_them_gives_them_back(
+    prefect_harness: Path, monkeypatch: pytest.MonkeyPatch, failure: BaseException
+) -> None:
+    """The window between the slots' increment and the holder records: the slots just taken go
+    back and the records written go, so no unrecorded holder is left for every deploy to wait
+    on."""
+    cluster = f"window-{type(failure).__name__.lower()}"
+    nodes = machines(cluster, "n1", "n2", "n3")
+    written: list[str] = []
+
+    def failing_on_the_second(client: object, holder: NodeHolder) -> None:
+        if written:
+            raise failure
+        records._write_holder(client, holder)  # type: ignore[arg-type]
+        written.append(holder.node)
+
+    # The undo meets a failure of its own once, and tries again.
+    give_backs: list[list[str]] = []
+
+    def giving_back_on_the_second_try(client: object, held: list[str], since: str) -> None:
+        give_backs.append(held)
+        if len(give_backs) == 1:
+            raise httpx.ReadTimeout("the API is slow")
+        slots._give_back_slots(client, held, since)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(locks, "_write_holder", failing_on_the_second)
+    monkeypatch.setattr(locks, "_give_back_slots", giving_back_on_the_second_try)
+    with pytest.raises(type(failure)):
+        acquire_nodes(cluster, nodes, "dep-window", timeout_s=5)
+    monkeypatch.undo()
+    assert written == ["n1"]
+    assert give_backs == [list(nodes.values())] * 2
+    with get_client(sync_client=True) as client:
+        for node, machine in nodes.items():
+            limit = client.read_global_concurrency_limit_by_name(limit_name(machine))
+            assert limit.active_slots == 0, node
+    assert holders(cluster, list(nodes)) == dict.fromkeys(nodes)
+    # Free at once: no wait for a holder nobody recorded.
+    assert acquire_nodes(cluster, nodes, "dep-after", timeout_s=0) == list(nodes)
+    assert release_nodes(cluster, list(nodes), "dep-after") == list(nodes)

@@ -8,7 +8,10 @@ deployment takes one slot of every node's limit in a single request (all or none
 deploys on overlapping nodes cannot each hold half and wait forever) and gives them back at
 teardown. Who holds a machine is recorded in a Prefect Variable per machine
 (`node-lock-<machine-id prefix>`, visible in the UI): the deployment, its flow run, and the
-cluster and node name it took the machine by, so a waiting deploy can name the holder.
+cluster and node name it took the machine by, so a waiting deploy can name the holder. The
+slots come first, then the records; a failure or cancel in between gives back the slots just
+taken and deletes the records written, since an unrecorded holder would be waited on by every
+later deploy.
 
 A holder that is provably gone is taken over instead of waited for: its flow run has ended
 (Prefect says its state is final, or the run no longer exists) and, for another deployment, no
@@ -69,6 +72,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 
+from prefect.client.orchestration import SyncPrefectClient
 from prefect.exceptions import ObjectNotFound
 
 from sparkdeploy.errors import NodeLockError
@@ -94,7 +98,7 @@ from sparkdeploy.steps.hold_nodes.records import (
     machine_label,
 )
 from sparkdeploy.steps.hold_nodes.runs import ended_runs
-from sparkdeploy.steps.hold_nodes.slots import _held_seconds, _take_slots
+from sparkdeploy.steps.hold_nodes.slots import _give_back_slots, _take_slots
 from sparkdeploy.steps.hold_nodes.takeover import _take_over
 
 __all__ = [
@@ -118,6 +122,9 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 600.0
 POLL_S = 1.0
+# How often each part of undoing a hold that could not be recorded is tried (each request also
+# retried on busy answers by _api).
+_UNDO_ATTEMPTS = 3
 
 _LOG = logging.getLogger(__name__)
 
@@ -231,13 +238,14 @@ def acquire_nodes(
                     time.sleep(poll_s)
                     continue
                 since = datetime.now(UTC).isoformat(timespec="seconds")
-                for node in wanted:
-                    _write_holder(
-                        client,
-                        NodeHolder(
-                            node, deployment_id, since, flow_run_id, cluster, machines[node]
-                        ),
-                    )
+                _record_or_give_back(
+                    client,
+                    [
+                        NodeHolder(node, deployment_id, since, flow_run_id, cluster, machines[node])
+                        for node in wanted
+                    ],
+                    warn=warn,
+                )
                 if wanted:
                     held = ", ".join(
                         f"{node} (machine {machine_label(machines[node])})" for node in wanted
@@ -252,6 +260,65 @@ def acquire_nodes(
 
 def _of(machines: Mapping[str, str], nodes: Sequence[str]) -> dict[str, str]:
     return {node: machines[node] for node in nodes}
+
+
+def _record_or_give_back(
+    client: SyncPrefectClient, taken: Sequence[NodeHolder], *, warn: Callable[[str], None]
+) -> None:
+    """Record the holders of the machines whose slots this attempt has just taken.
+
+    A failure in between (an API error, or a cancel or interrupt: any BaseException) would leave
+    the slots taken with no record: an unrecorded holder every later deploy waits on and none
+    can name or take over. So the records this attempt wrote are deleted and exactly its slots
+    given back before the failure goes on. Records are not written before the slots instead: a
+    record whose slot another deploy took would name the wrong holder to its waiters.
+    """
+    try:
+        for holder in taken:
+            _write_holder(client, holder)
+    except BaseException:
+        _undo_hold(client, taken, warn=warn)
+        raise
+
+
+def _undo_hold(
+    client: SyncPrefectClient, taken: Sequence[NodeHolder], *, warn: Callable[[str], None]
+) -> None:
+    """Delete the records of `taken` (one attempt's holders: one deployment, run and since) that
+    reached the server, then give back their slots; each part tried _UNDO_ATTEMPTS times, since
+    what it fails to undo blocks the machines until a person resets them."""
+    machines = {holder.node: holder.machine_id for holder in taken}
+    since = taken[0].since
+
+    def delete_records() -> None:
+        for node, recorded in _read_holders(client, machines).items():
+            # Only this attempt's own: a record, even one whose answer was lost, equals it.
+            if recorded is not None and recorded in taken:
+                with contextlib.suppress(ObjectNotFound):
+                    _api(client.delete_variable_by_name, holder_variable(machines[node]))
+
+    # Records first, as release_nodes does: a node never looks free under a stale record.
+    for part, undo in (
+        ("delete the holder records", delete_records),
+        ("give back the slots", lambda: _give_back_slots(client, list(machines.values()), since)),
+    ):
+        for attempt in range(1, _UNDO_ATTEMPTS + 1):
+            try:
+                undo()
+                break
+            except Exception as error:
+                if attempt < _UNDO_ATTEMPTS:
+                    continue
+                limits = ", ".join(f"`{limit_name(machine)}`" for machine in machines.values())
+                warn(
+                    f"deployment {taken[0].deployment_id} took the node locks of"
+                    f" {', '.join(machines)} of cluster {taken[0].cluster} but failed to record"
+                    f" them, and could not {part} after {_UNDO_ATTEMPTS} attempts ({error}):"
+                    f" reset the limits {limits} to 0 active slots (`prefect gcl update NAME"
+                    " --active-slots 0`) and delete their `node-lock-*` variables in the Prefect"
+                    " UI once no deploy is under way there"
+                )
+                return
 
 
 def give_back(
@@ -395,13 +462,7 @@ def release_nodes(
             held_since.setdefault(holder.since, []).append(holder.machine_id)
             released.append(holder.node)
         for since, held in held_since.items():
-            names = [limit_name(machine) for machine in held]
-            _api(
-                client.release_concurrency_slots,
-                names=names,
-                slots=1,
-                occupancy_seconds=_held_seconds(since),
-            )
+            _give_back_slots(client, held, since)
     released = [node for node in nodes if node in released]
     if released:
         log(f"deployment {deployment_id} released {', '.join(released)} of cluster {cluster}")

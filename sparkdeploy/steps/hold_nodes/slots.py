@@ -86,3 +86,13 @@ def _held_seconds(since_iso: str) -> float:
     except ValueError:
         return _MIN_OCCUPANCY_S
     return max(_MIN_OCCUPANCY_S, (datetime.now(UTC) - since).total_seconds())
+
+
+def _give_back_slots(client: SyncPrefectClient, machines: Sequence[str], since_iso: str) -> None:
+    """One slot of each machine's limit back, held since since_iso (ISO 8601)."""
+    _api(
+        client.release_concurrency_slots,
+        names=[limit_name(machine) for machine in machines],
+        slots=1,
+        occupancy_seconds=_held_seconds(since_iso),
+    )
