@@ -36,6 +36,13 @@ def deployment_id_problem(value: str) -> str | None:
     return None
 
 
+def deployment_recipe(deployment_id: str) -> str | None:
+    """The recipe part of a deployment id (its recipe id, cut at 40 characters); None when the
+    value is no deployment id. What a node lock record, which names no recipe, is matched by."""
+    match = _DEPLOYMENT_ID.fullmatch(deployment_id)
+    return match["recipe"] if match else None
+
+
 def label_problems(labels: Mapping[str, str], node: str) -> list[str]:
     """Why the labels of a container found on `node` are not ours; empty when they are."""
     deployment = labels.get(DEPLOYMENT_LABEL, "")

@@ -14,7 +14,7 @@ from pathlib import Path
 from sparkdeploy.errors import RecipeError, SparkDeployError
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import Recipe, load_recipe, recipe_paths
+from sparkdeploy.model.recipe import Recipe, load_recipe, recipe_id_for, recipe_paths
 from sparkdeploy.model.tomlfile import load_toml
 
 ROOT_ENV = "SPARKDEPLOY_ROOT"
@@ -52,6 +52,15 @@ def find_recipe(value: str, root: Path | None = None) -> Path:
         path = Path(value)
         return path / "recipe.toml" if path.is_dir() else path
     return find_recipe_by_name(value, root)
+
+
+def recipe_id_named(value: str) -> str:
+    """The recipe id `value` (a name or path, as find_recipe takes it) names: what its
+    containers' recipe label says. Read from the value alone, since the recipe may be gone."""
+    if not _is_path(value):
+        return value
+    path = Path(value)
+    return recipe_id_for(path if value.endswith(".toml") else path / "recipe.toml")
 
 
 def find_recipe_by_name(name: str, root: Path | None = None) -> Path:

@@ -5,6 +5,9 @@ status and the watchdog re-plan a running deployment from its labels alone: no s
 nodes. Labels are untrusted (sparkdeploy.model.labels): a container whose labels do not have our
 form gets a row saying so and is never re-planned; a recipe label is only ever a name under
 recipes/, and a deployment is ours only when its labels re-plan to its own deployment id.
+A deployment of ours whose labels no longer re-plan (its recipe deleted, broken, or changed so
+that it plans another deployment) is an orphan: listed with the teardown that removes it by its
+deployment id, since a teardown of its recipe cannot plan it either.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class DeploymentStatus:
     plan: Plan | None  # None when the recipe can no longer be planned
     healthy: bool
     health: str  # what the endpoint said, or why it was not asked
+    # For an orphan (its recipe can no longer plan it): the command that tears it down.
+    teardown_command: str | None = None
 
     @property
     def endpoint(self) -> str | None:
@@ -64,6 +69,12 @@ class DeploymentStatus:
     @property
     def since(self) -> str:
         return min((c.started_at for c in self.containers), default="")
+
+    @property
+    def health_and_fix(self) -> str:
+        if self.teardown_command is None:
+            return self.health
+        return f"{self.health}; tear it down with `{self.teardown_command}`"
 
     def uptime(self, now: datetime) -> str:
         """How long its oldest container has run (docker's StartedAt), or why it does not run."""
@@ -88,7 +99,7 @@ class DeploymentStatus:
                 "container": c.name,
                 "state": c.status if c.status == "running" else f"{c.status} ({c.exit_code})",
                 "since": c.started_at,
-                "health": self.health if c.rank == 0 else "",
+                "health": self.health_and_fix if c.rank == 0 else "",
                 "uptime": self.uptime(now) if c.rank == 0 else "",
                 "last smoke test": (history.last_smoke if history else NONE_YET)
                 if c.rank == 0
@@ -101,7 +112,7 @@ class DeploymentStatus:
     def line(self, now: datetime, history: History | None = None) -> str:
         """The deployment in one line, for the CLI."""
         nodes = ",".join(self.nodes)
-        state = "healthy" if self.healthy else f"NOT healthy ({self.health})"
+        state = "healthy" if self.healthy else f"NOT healthy ({self.health_and_fix})"
         return (
             f"{self.deployment_id} ({self.recipe}) on {nodes}: {state}; up {self.uptime(now)};"
             f" last smoke test: {history.last_smoke if history else NONE_YET};"
@@ -145,6 +156,14 @@ def replan(cluster: Cluster, containers: list[ContainerInfo]) -> Plan:
     return plan
 
 
+def teardown_command(cluster: str, deployment_id: str) -> str:
+    """The teardown of a deployment by its id, whatever its recipe says now."""
+    return (
+        f"prefect deployment run 'teardown/teardown' -p cluster={cluster}"
+        f" -p deployment_id={deployment_id}"
+    )
+
+
 def cluster_status(cluster: Cluster) -> list[DeploymentStatus]:
     """Every deployment of ours on the cluster's nodes, with the head's health; a row for each
     container labelled as ours whose labels are not of our form."""
@@ -182,7 +201,13 @@ def cluster_status(cluster: Cluster) -> list[DeploymentStatus]:
         except SparkDeployError as error:
             statuses.append(
                 DeploymentStatus(
-                    deployment_id, recipe, rows, None, False, f"cannot re-plan: {error}"
+                    deployment_id,
+                    recipe,
+                    rows,
+                    None,
+                    False,
+                    f"orphan: cannot re-plan: {error}",
+                    teardown_command(cluster.name, deployment_id),
                 )
             )
             continue

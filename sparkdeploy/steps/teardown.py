@@ -7,6 +7,11 @@ without our labels is never listed, so never touched; one whose labels do not ha
 (sparkdeploy.model.labels: anyone can label a container) is reported and left alone, so a label
 never becomes a path. Running it again finds nothing: a no-op.
 The node locks are released by the caller (tasks/teardown.py) once the containers are gone.
+
+A teardown asked for a recipe goes by what is on the nodes and in the node lock records, not by
+the recipe file alone: a recipe deleted, broken or changed since its deploy (another
+required_nodes plans another deployment id) would otherwise tear down nothing, or fail, while
+its deployment runs on. recipe_teardown decides which deployment that is.
 """
 
 from __future__ import annotations
@@ -14,12 +19,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparkdeploy.errors import TeardownError
-from sparkdeploy.model.labels import DEPLOYMENT_LABEL, deployment_id_problem, label_problems
+from sparkdeploy.model.labels import (
+    DEPLOYMENT_LABEL,
+    RECIPE_LABEL,
+    deployment_id_problem,
+    deployment_recipe,
+    label_problems,
+)
+from sparkdeploy.model.plan import SPEC_LABEL
 from sparkdeploy.remote.docker_cli import (
     ContainerInfo,
     Log,
@@ -165,4 +177,137 @@ def teardown(
         deployment_id=deployment_id,
         removed=removed,
         seconds=round(time.monotonic() - started, 3),
+    )
+
+
+@dataclass(frozen=True)
+class Found:
+    """A deployment of a recipe on a cluster, as its containers and node lock records show it."""
+
+    deployment_id: str
+    nodes: tuple[str, ...]  # with a container of it, or held by it; in the cluster's order
+    specs: dict[str, str] = field(default_factory=dict)  # node -> its container's spec label
+
+
+def recipe_containers(
+    targets: Mapping[str, SshTarget], recipe_id: str
+) -> dict[str, list[ContainerInfo]]:
+    """node -> the containers labelled as of recipe `recipe_id` there (labels of our form)."""
+    found = on_nodes(
+        targets, lambda runner, node: list_containers(runner, node, f"{RECIPE_LABEL}={recipe_id}")
+    )
+    return {
+        node: [c for c in containers if not label_problems(c.labels, node)]
+        for node, containers in found.items()
+    }
+
+
+def recipe_deployments(
+    recipe_id: str,
+    containers: Mapping[str, Sequence[ContainerInfo]],
+    held_by: Mapping[str, str | None],
+) -> list[Found]:
+    """The deployments of recipe `recipe_id` on a cluster: those its containers name (node ->
+    containers, recipe_containers) and those holding its nodes (node -> the deployment id its
+    lock record names, None: free), the records matched by the recipe part of the id."""
+    nodes: dict[str, list[str]] = {}
+    specs: dict[str, dict[str, str]] = {}
+    for node in [*containers, *(n for n in held_by if n not in containers)]:
+        for container in containers.get(node, []):
+            deployment_id = container.labels[DEPLOYMENT_LABEL]
+            nodes.setdefault(deployment_id, [])
+            if node not in nodes[deployment_id]:
+                nodes[deployment_id].append(node)
+            specs.setdefault(deployment_id, {})[node] = container.labels.get(SPEC_LABEL, "")
+        holder = held_by.get(node)
+        if holder is not None and deployment_recipe(holder) == recipe_id[:40]:
+            nodes.setdefault(holder, [])
+            if node not in nodes[holder]:
+                nodes[holder].append(node)
+    return [
+        Found(deployment_id, tuple(on), specs.get(deployment_id, {}))
+        for deployment_id, on in sorted(nodes.items())
+    ]
+
+
+@dataclass(frozen=True)
+class RecipeTeardown:
+    """What a teardown of a recipe takes down, and what to tell the person about it."""
+
+    by_plan: bool  # the plan's deployment, on its nodes (as always); else deployment_ids
+    deployment_ids: list[str]  # by id across the cluster (empty with by_plan)
+    notes: list[str]
+
+
+def recipe_teardown(
+    recipe: str,
+    cluster: str,
+    found: Sequence[Found],
+    *,
+    plan_id: str | None,
+    plan_nodes: Sequence[str] = (),
+    plan_specs: Mapping[str, str] | None = None,
+    unplanned: str | None = None,
+    nodes: Sequence[str] | None = None,
+) -> RecipeTeardown:
+    """Which deployment a teardown of `recipe` takes down, given the deployments of it `found`
+    on `cluster` and its plan now (plan_id, its nodes and node -> spec label; None with
+    `unplanned` saying why it cannot be planned). With `nodes` given only deployments on them
+    count.
+
+    The plan's deployment when it runs, or when nothing of the recipe does. Otherwise what runs
+    of the recipe, by deployment id: every deployment found when the recipe cannot be planned
+    (all are orphans), the one found when it plans another id (an earlier version of it runs);
+    several then are refused, since which one was meant is not known. Never the plan's id
+    alone while another deployment of the recipe runs in its place."""
+    if nodes:
+        found = [f for f in found if set(f.nodes) & set(nodes)]
+    on = {f.deployment_id: f for f in found}
+    where = "; ".join(f"{f.deployment_id} on {', '.join(f.nodes)}" for f in found)
+    if plan_id is not None and (plan_id in on or not found):
+        notes = []
+        running = on.get(plan_id)
+        if running is not None and plan_specs is not None:
+            changed = [n for n, spec in running.specs.items() if plan_specs.get(n) != spec]
+            if changed:
+                notes.append(
+                    f"recipe {recipe} changed since {plan_id} was deployed: what runs on"
+                    f" {', '.join(changed)} is not what the recipe plans now (torn down all the"
+                    " same)"
+                )
+        others = [f for f in found if f.deployment_id != plan_id]
+        if others:
+            notes.append(
+                f"other deployments of recipe {recipe} on cluster {cluster} are left running: "
+                + "; ".join(f"{f.deployment_id} on {', '.join(f.nodes)}" for f in others)
+                + " (tear one down with deployment_id=<its id>)"
+            )
+        return RecipeTeardown(True, [], notes)
+    why = (
+        f"recipe {recipe} cannot be planned ({unplanned})"
+        if plan_id is None
+        else f"recipe {recipe} now plans deployment {plan_id} on {', '.join(plan_nodes)}, which"
+        " does not run"
+    )
+    if not found:
+        return RecipeTeardown(
+            False,
+            [],
+            [
+                f"{why}, and nothing of it runs or holds a node of cluster {cluster}: nothing to"
+                " tear down"
+            ],
+        )
+    if plan_id is not None and len(found) > 1:
+        raise TeardownError(
+            f"{why}; several deployments of it are on cluster {cluster}: {where}. Tear the one"
+            " you mean down with deployment_id=<its id> (or name its nodes with nodes=...)"
+        )
+    return RecipeTeardown(
+        False,
+        [f.deployment_id for f in found],
+        [
+            f"{why}: tearing down what runs of it by deployment id, as its containers and node"
+            f" locks name it: {where}"
+        ],
     )
