@@ -82,6 +82,8 @@ class NodeDefaults(_Strict):
     engine_overhead_gib: float = Field(default=DEFAULT_ENGINE_OVERHEAD_GIB, ge=0)
     roce_hcas: RoceHcas = "auto"
     gid_index: GidIndex = "auto"
+    # The node's local disk write rate in GB/s (10^9 bytes), for the preview's expected times.
+    disk_gb_per_s: float | None = Field(default=None, gt=0)
 
     _roce = field_validator("roce_hcas", mode="before")(_check_roce_hcas)
     _gid = field_validator("gid_index", mode="before")(_check_gid_index)
@@ -104,6 +106,7 @@ class NodeEntry(_Strict):
     engine_overhead_gib: float | None = Field(default=None, ge=0)
     roce_hcas: RoceHcas | None = None
     gid_index: GidIndex | None = None
+    disk_gb_per_s: float | None = Field(default=None, gt=0)
 
     _roce = field_validator("roce_hcas", mode="before")(_check_roce_hcas)
     _gid = field_validator("gid_index", mode="before")(_check_gid_index)
@@ -122,6 +125,9 @@ class NodeEntry(_Strict):
 class Nas(_Strict):
     hf_cache: str
     runs_dir: str
+    # How fast the flow host and the nodes read the NAS, in GB/s (10^9 bytes): the preview's
+    # expected times of hashing a cache to adopt it and of an Engram copy's reads.
+    read_gb_per_s: float | None = Field(default=None, gt=0)
 
 
 class NodePaths(_Strict):
@@ -147,6 +153,9 @@ class DockerSettings(_Strict):
     ulimits: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ULIMITS))
     registry: str | None = None
     drop_page_cache: bool = False
+    # How fast a node pulls an image (from its registry or the cluster's), in GB/s: the
+    # preview's expected times of a pull or a ship.
+    pull_gb_per_s: float | None = Field(default=None, gt=0)
 
 
 class HubSettings(_Strict):
@@ -154,6 +163,9 @@ class HubSettings(_Strict):
     endpoint: str | None = None
     # Send the HF token to a plain-http endpoint (it crosses the network in clear text).
     allow_http_token: bool = False
+    # How fast the flow host downloads from the hub into the NAS, in GB/s (10^9 bytes): the
+    # preview's expected download times.
+    download_gb_per_s: float | None = Field(default=None, gt=0)
 
 
 class InventoryFile(_Strict):
@@ -188,6 +200,7 @@ class Node(_Strict):
     memory_gib: float
     unified_memory: bool
     engine_overhead_gib: float
+    disk_gb_per_s: float | None = None
 
     @property
     def home(self) -> str:
@@ -302,6 +315,7 @@ def _merge_node(
             if entry.engine_overhead_gib is not None
             else defaults.engine_overhead_gib
         ),
+        disk_gb_per_s=entry.disk_gb_per_s or defaults.disk_gb_per_s,
     )
     return node, problems
 

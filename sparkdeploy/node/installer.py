@@ -8,7 +8,8 @@ Compiling the shipped modules at every start cost a node script nearly half its 
 95 ms, 51 ms with this cache), so each module's code is kept, marshalled, in the SSH user's cache
 and loaded from there while the module's text and the node's python3 are the same. A missing,
 damaged or unwritable cache only costs the compile; one module keeps one file per python3
-version.
+version. A script built read-only (node_script.build_node_script(write_code_cache=False), for a
+preview that must write nothing on the node) reads the cache but never writes it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ CODE_CACHE = os.path.join(
     "sparkdeploy",
     "node-code",
 )
+# Set to False by the script's builder, after this module's text, for a script that writes nothing.
+WRITE_CODE_CACHE = True
 
 
 def compiled(name: str, digest: str, source: str) -> types.CodeType:
@@ -37,6 +40,8 @@ def compiled(name: str, digest: str, source: str) -> types.CodeType:
     except (OSError, EOFError, ValueError, TypeError):
         pass
     code = compile(source, "<shipped " + name + ">", "exec")
+    if not WRITE_CODE_CACHE:
+        return code
     try:
         os.makedirs(CODE_CACHE, exist_ok=True)
         partial = path + "." + str(os.getpid()) + ".partial"

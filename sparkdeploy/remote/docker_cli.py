@@ -157,14 +157,25 @@ def registry_error(node: str, image: str, action: str, result: CommandResult) ->
 
 
 @cache
-def probe_script() -> str:
-    return build_node_script(node_probe)
+def probe_script(write_code_cache: bool = True) -> str:
+    return build_node_script(node_probe, write_code_cache=write_code_cache)
 
 
-def probe(runner: Runner, node: str, mode: str, request: Mapping[str, Any]) -> dict[str, Any]:
-    """sparkdeploy.node.probe's answer from the node (see its docstring for the modes)."""
+def probe(
+    runner: Runner,
+    node: str,
+    mode: str,
+    request: Mapping[str, Any],
+    *,
+    read_only: bool = False,
+) -> dict[str, Any]:
+    """sparkdeploy.node.probe's answer from the node (see its docstring for the modes);
+    read_only: the script writes nothing there, not even its code cache (a preview)."""
     result = runner.run_python(
-        probe_script(), [mode, json.dumps(dict(request))], timeout=PROBE_TIMEOUT_S, check=False
+        probe_script(not read_only),
+        [mode, json.dumps(dict(request))],
+        timeout=PROBE_TIMEOUT_S,
+        check=False,
     )
     answer = last_json_line(result.stdout)
     if result.exit_code != 0 or answer is None:

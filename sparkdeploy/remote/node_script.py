@@ -65,13 +65,19 @@ _ARGV_BOOTSTRAP = (
 )
 
 
-def build_node_script(main: ModuleType, libraries: Sequence[ModuleType] = ()) -> str:
+def build_node_script(
+    main: ModuleType, libraries: Sequence[ModuleType] = (), *, write_code_cache: bool = True
+) -> str:
     """Source of a script that runs `main.main(argv)` with `libraries` importable by name.
 
     Every module must import only the standard library and the other shipped modules (a module
     may keep a guarded fallback for a package import, as sparkdeploy.node.engram does for errors).
+    write_code_cache=False: the script reads the node's code cache but writes nothing there (a
+    preview writes no file on a node).
     """
     lines = [inspect.getsource(installer)]
+    if not write_code_cache:
+        lines.append("WRITE_CODE_CACHE = False")
     for module in (*libraries, main):
         source = inspect.getsource(module)
         digest = hashlib.sha256(source.encode()).hexdigest()[:32]
