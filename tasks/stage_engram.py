@@ -1,5 +1,5 @@
-"""Prefect task: the Engram sparse copies of every node (logic in
-sparkdeploy.steps.stage_engram)."""
+"""Prefect task: the node-local files of every node, the Engram sparse copies and the plain files
+(logic in sparkdeploy.steps.stage_engram and sparkdeploy.steps.stage_plain)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.node.stage_engram import StagingResult
 from sparkdeploy.steps.stage_engram import stage_engram
+from sparkdeploy.steps.stage_plain import stage_plain
 from sparkdeploy.units import human_bytes
 from tasks.artifacts import publish_table
 from tasks.common import artifact_key, retry_only
@@ -22,8 +23,9 @@ from tasks.common import artifact_key, retry_only
     retry_condition_fn=retry_only(TransientRemoteError),
 )
 def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
-    """Every Engram shard of every node's plan copied (or found, adopted, or finished) and
-    verified, all nodes at once.
+    """Every plain local file of every node's plan put whole (or found or adopted) and verified
+    by sha256, all nodes at once (first: they are small); then every Engram shard copied (or
+    found, adopted, or finished) and verified, all nodes at once. Returns the Engram copies.
 
     One python3 per node checks and copies its shards, its progress logged as it comes. One task
     run for all nodes, not one per node: each task run costs the Prefect server and the flow a
@@ -31,9 +33,13 @@ def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
     finished and resumes an interrupted copy where its journal says it stopped.
     """
     logger = get_run_logger()
+    for decided in plan.local_files:
+        logger.info("local file %s: %s (%s)", decided.dest, decided.kind, decided.why)
     staged = [node for node in plan.nodes if node.engram]
+    rows = _plain_files(plan)
     if not staged:
         logger.info("the plan stages no Engram shards")
+        _publish(plan, rows)
         return {}
 
     def log_progress(node_name: str, dest: str, done: int, total: int, phase: str) -> None:
@@ -61,7 +67,6 @@ def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
             )
 
     by_node = stage_engram(plan, on_progress=log_progress)
-    rows = []
     for results in by_node.values():
         for result in results:
             logger.info(
@@ -89,9 +94,48 @@ def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
                     "seconds": result.seconds,
                 }
             )
-    publish_table(
-        key=artifact_key("stage-engram", plan.deployment_id),
-        table=rows,
-        description=f"Engram sparse copies on the nodes of {plan.deployment_id}",
-    )
+    _publish(plan, rows)
     return by_node
+
+
+def _plain_files(plan: Plan) -> list[dict[str, object]]:
+    """Every node's plain local files in place; their rows of the step's table."""
+    if not any(node.plain for node in plan.nodes):
+        return []
+    logger = get_run_logger()
+    rows: list[dict[str, object]] = []
+    for results in stage_plain(plan).values():
+        for result in results:
+            logger.info(
+                "node %s: %s: plain file %s, sha256 %s, wrote %s, %.1f s",
+                result.node,
+                result.dest,
+                result.status,
+                result.sha256[:12],
+                human_bytes(result.written_bytes),
+                result.seconds,
+            )
+            rows.append(
+                {
+                    "node": result.node,
+                    "file": result.dest,
+                    "status": result.status,
+                    "ranks": "whole file",
+                    "tp": "",
+                    "share": human_bytes(result.size),
+                    "written": human_bytes(result.written_bytes),
+                    "allocated": "",
+                    "seconds": result.seconds,
+                }
+            )
+    return rows
+
+
+def _publish(plan: Plan, rows: list[dict[str, object]]) -> None:
+    if rows:
+        publish_table(
+            key=artifact_key("stage-engram", plan.deployment_id),
+            table=rows,
+            description=f"node-local files (Engram sparse copies, plain files) on the nodes of "
+            f"{plan.deployment_id}",
+        )

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from sparkdeploy.remote.ssh import CommandResult
+from sparkdeploy.remote.ssh import _PYTHON_BOOTSTRAP, CommandResult
 
 WATCH_POLL_S = 0.1
 # The node scripts' compiled-code cache (sparkdeploy.remote.node_script) goes in a directory of the
@@ -88,10 +88,12 @@ class LocalPython:
         stdin: bytes | None = None,
         check: bool = True,
     ) -> CommandResult:
-        argv = ("python3", "-I", "-S", "-", *args)
+        # As Connection.run_python: the source's length in argv, the program's stdin after it.
+        encoded = source.encode()
+        argv = ("python3", "-I", "-S", "-c", _PYTHON_BOOTSTRAP, str(len(encoded)), *args)
         completed = subprocess.run(
             argv,
-            input=source.encode() + (stdin or b""),
+            input=encoded + (stdin or b""),
             capture_output=True,
             timeout=timeout,
             env=NODE_ENV,

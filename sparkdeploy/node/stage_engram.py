@@ -6,7 +6,8 @@ sparkdeploy.node.hfcache (see sparkdeploy.remote.node_script) and calls `main([r
 per node for all its shards. It prints JSON lines on stdout as it goes: {"plan": ...} once every
 shard is checked, {"progress": ...} while a copy runs, {"result": ...} per shard, and {"ok": true}
 last; a deliberate failure ends with {"ok": false, "kind": ..., "message": ..., "dest": ...} and
-exit status FAILED_EXIT.
+exit status FAILED_EXIT. A request with "dry_run": true (a preview) writes nothing: `preview_all`
+prints one {"preview": ...} line per shard saying what stage_all would do, then {"ok": true}.
 
 Every shard is checked before anything is copied (source, header, geometry, free space for all
 the copies together). The copy: a file of the shard's full size holding the header and this
@@ -257,7 +258,8 @@ def plan_copy(request: Request) -> CopyPlan:
             expected = ", ".join(weight_tensor_name(layer) for layer in geometry.layer_ids)
             raise EngramError(
                 f"none of the Engram tables ({expected}) is in this shard; the recipe's local "
-                "file is not an Engram shard of this model"
+                'file is not an Engram shard of this model: set kind = "plain" on it to put it '
+                "whole on the node"
             )
         engram_ranges = rank_byte_ranges(tensors, geometry, request.ranks, request.tp_size)
         rows = [
@@ -327,7 +329,8 @@ def _read_geometry(config_path: str, entry: str) -> EngramGeometry:
         raise StagingFailure(
             "geometry",
             f"{config_path} has no engram_* keys, so {entry} cannot be an Engram shard of this "
-            "model; remove it from the recipe's local_files or fix the repo",
+            'model; set kind = "plain" on the recipe\'s local file to put it whole on the node, '
+            "or fix the repo",
         )
     return geometry
 
@@ -657,6 +660,97 @@ def stage_all(requests: Sequence[Request], emit: Emit) -> None:
             with _about(dest):
                 result = stage(item.plan, item.resume_from, progress_of(dest, "copy"))
         emit({"result": dataclasses.asdict(result)})
+
+
+def preview_all(requests: Sequence[Request], emit: Emit) -> None:
+    """What stage_all would do with each shard, from the same checks, writing nothing: one
+    {"preview": {"dest", "action", "bytes", "why"}} line per shard. action: "skip" (a verified
+    copy is there), "adopt" (DEST matches the source where the dry run looks: stage_all compares
+    the ranges, `bytes`, and adopts it unless a byte differs),
+    "copy" or "resume" (`bytes` to write), "refuse" (what stage_all would fail with). An
+    "adopt" is judged on DEST's size, header, extents and both ends of each range
+    (_sampled_mismatch), not on every byte: a difference inside a range makes stage_all copy."""
+    previews: list[dict[str, Any]] = []
+    pending: list[tuple[CopyPlan, int]] = []
+    for request in requests:
+        try:
+            with _about(request.dest):
+                plan = plan_copy(request)
+                action, count, why, resume_from = _preview_shard(plan)
+        except StagingFailure as failure:
+            action, count, why = "refuse", 0, f"[{failure.kind}] {failure}"
+        else:
+            if action in ("copy", "resume"):
+                pending.append((plan, resume_from))
+        previews.append({"dest": request.dest, "action": action, "bytes": count, "why": why})
+    try:
+        check_space(pending)
+    except StagingFailure as failure:
+        for preview in previews:
+            if preview["action"] in ("copy", "resume"):
+                preview.update(action="refuse", why=f"[{failure.kind}] {failure}")
+    for preview in previews:
+        emit({"preview": preview})
+
+
+def _preview_shard(plan: CopyPlan) -> tuple[str, int, str, int]:
+    """(action, bytes, why, bytes already durable) of one checked shard, as stage_all and adopt
+    would decide, reading only."""
+    request = plan.request
+    dest = request.dest
+    if find_reusable(plan) is not None:
+        return "skip", 0, "a verified copy for this plan is there (its manifest matches)", 0
+    try:
+        before = os.stat(dest)
+    except FileNotFoundError:
+        before = None
+    if before is not None:
+        with open(plan.source, "rb") as source, open(dest, "rb") as existing:
+            src_fd, dst_fd = source.fileno(), existing.fileno()
+            if before.st_size != plan.size:
+                mismatch: str | None = f"it is {before.st_size} bytes, the source {plan.size}"
+            elif os.pread(dst_fd, plan.header_bytes, 0) != os.pread(src_fd, plan.header_bytes, 0):
+                mismatch = "its safetensors header differs from the source's"
+            else:
+                mismatch = _sampled_mismatch(plan, src_fd, dst_fd)
+                _holes_checked, note = _adopted_extents(dst_fd, plan)
+            held = None
+            if mismatch is not None and not _own_manifest(dest, before):
+                held = _held_rank(plan, src_fd, dst_fd)
+        if mismatch is None:
+            return (
+                "adopt",
+                plan.copy_bytes,
+                f"{dest} (no manifest of this plan) has the source's size and header, and its"
+                f" ranges' ends match: adopted after comparing its ranges, {plan.copy_bytes} B,"
+                " with the source (a byte that differs makes it a copy instead)"
+                + (f"; {note}" if note else ""),
+                0,
+            )
+        if held is not None:
+            return "refuse", 0, f"[wrong_rank] {dest} holds rank {held}'s rows ({mismatch})", 0
+        links = _links_elsewhere(request, before)
+        if links:
+            return "refuse", 0, f"[linked_mismatch] {dest} ({mismatch}) is linked: {links}", 0
+    resume_from = resume_point(plan)
+    replaced = f"; replaces {dest} ({mismatch})" if before is not None else ""
+    if resume_from:
+        left = plan.copy_bytes - resume_from
+        why = f"resumes the copy at byte {resume_from} of {plan.copy_bytes}{replaced}"
+        return "resume", left, why, resume_from
+    return "copy", plan.copy_bytes, f"sparse copy of {plan.copy_bytes} B{replaced}", 0
+
+
+def _sampled_mismatch(plan: CopyPlan, src_fd: int, dst_fd: int) -> str | None:
+    """Where DEST differs from the source at either end of one of the plan's ranges (None: it
+    does not there): the dry run's stand-in for the full compare, which tells another rank's
+    copy (same size and header) from this one's at RANK_SAMPLE_BYTES a range end."""
+    for begin, end in plan.ranges:
+        length = min(RANK_SAMPLE_BYTES, end - begin)
+        for offset in sorted({begin, end - length}):
+            if os.pread(dst_fd, length, offset) != os.pread(src_fd, length, offset):
+                return f"its bytes at [{offset}, {offset + length}) differ from the source's"
+    return None
 
 
 @contextlib.contextmanager
@@ -1056,7 +1150,7 @@ def main(argv: Sequence[str]) -> int:
     node = json.loads(request_json)
     requests = [Request.from_json(node, stage) for stage in node["stages"]]
     try:
-        stage_all(requests, _emit)
+        (preview_all if node.get("dry_run") else stage_all)(requests, _emit)
     except StagingFailure as failure:
         _emit({"ok": False, "kind": failure.kind, "message": str(failure), "dest": failure.dest})
         return FAILED_EXIT
