@@ -12,6 +12,8 @@ from tasks.status import read_cluster_status
 @flow(
     name="status",
     flow_run_name="status of {cluster}",
+    # Its result holds the plans, with their secrets: never persisted (tasks/common.py).
+    persist_result=False,
     on_completion=[artifacts_written],
     on_failure=[artifacts_written],
 )

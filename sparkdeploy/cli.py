@@ -8,6 +8,7 @@ what they need when they run.
 
 from __future__ import annotations
 
+import posixpath
 import shlex
 from pathlib import Path
 from typing import Annotated
@@ -18,6 +19,7 @@ from sparkdeploy.errors import FitError, SparkDeployError
 from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.plan import NodePlan, Plan
 from sparkdeploy.model.project import (
+    find_cluster,
     find_image_dir,
     find_recipe,
     image_dir_fix,
@@ -180,6 +182,10 @@ def _plan_text(plan: Plan, fit_unchecked: str | None, root: Path) -> str:
         out.insert(1, f"# BLOCKED (a deploy refuses to start): {plan.blocked}")
     out += _image_text(plan, root)
     out += _fit_text(plan, fit_unchecked)
+    out += [
+        f"# local file {posixpath.basename(decided.dest)}: {decided.kind} ({decided.why})"
+        for decided in plan.local_files
+    ]
     for node in plan.nodes:
         ssh = node.ssh
         out += [
@@ -193,6 +199,12 @@ def _plan_text(plan: Plan, fit_unchecked: str | None, root: Path) -> str:
             f"# engram stage {stage.filename} of {stage.repo.repo} -> {stage.dest} "
             f"(ranks {stage.ranks} of {stage.tp_size})"
             for stage in node.engram
+        ]
+        out += [
+            f"# plain file {stage.filename} from "
+            + (f"{stage.repo.repo} in the NAS" if stage.repo else f"{stage.ops_file} (ops host)")
+            + f" -> {stage.dest}"
+            for stage in node.plain
         ]
         out.append(_docker_run_text(node))
         if node.serve_exec:
@@ -217,9 +229,27 @@ def plan(
         str | None, typer.Option("--nodes", help="Nodes in rank order, comma-separated.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    live: Annotated[
+        bool,
+        typer.Option(
+            "--live",
+            help="Read the cluster (NAS, hub, node locks, nodes), changing nothing, and print"
+            " what a deploy would do now, per step and node, with bytes and expected times.",
+        ),
+    ] = False,
+    replace: Annotated[
+        bool, typer.Option("--replace", help="With --live: preview a deploy with replace=true.")
+    ] = False,
+    update_revisions: Annotated[
+        bool,
+        typer.Option(
+            "--update-revisions", help="With --live: preview a deploy with update_revisions=true."
+        ),
+    ] = False,
     root: RootOption = Path("."),
 ) -> None:
-    """Print what a deployment would run on each node (never runs it)."""
+    """Print what a deployment would run on each node (never runs it); with --live, what a
+    deploy would do now (reads the cluster, changes nothing)."""
     try:
         result = load_plan(
             recipe,
@@ -230,10 +260,49 @@ def plan(
     except SparkDeployError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
+    if live:
+        _live_preview(result, cluster, root, as_json, replace, update_revisions)
+        return
     result, fit_unchecked = _with_fit(result)
     typer.echo(
         result.model_dump_json(indent=2) if as_json else _plan_text(result, fit_unchecked, root)
     )
+
+
+def _live_preview(
+    plan: Plan, cluster: str, root: Path, as_json: bool, replace: bool, update_revisions: bool
+) -> None:
+    """The preview of a deploy of `plan` (sparkdeploy.steps.preview), from this host: the hub
+    token from HF_TOKEN, the node locks from the Prefect server PREFECT_API_URL names."""
+    import json
+    import os
+
+    from sparkdeploy.remote import ssh
+    from sparkdeploy.steps.prefetch import PUBLIC_HUB, HubAccess
+    from sparkdeploy.steps.preview import preview
+
+    hub = HubAccess(
+        endpoint=plan.hub_endpoint or os.environ.get("HF_ENDPOINT") or PUBLIC_HUB,
+        token=os.environ.get("HF_TOKEN") or None,
+        token_source="HF_TOKEN",
+        allow_http_token=plan.hub_allow_http_token,
+    )
+    try:
+        found = preview(
+            plan,
+            load_cluster(find_cluster(cluster, root)),
+            hub,
+            replace=replace,
+            update_revisions=update_revisions,
+        )
+    except SparkDeployError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    finally:
+        ssh.close_cached()
+    typer.echo(json.dumps(found.as_json(), indent=2) if as_json else found.markdown())
+    if found.refusals:
+        raise typer.Exit(3)
 
 
 @app.command()

@@ -1,5 +1,13 @@
 """What every task module shares: retry conditions and artifact keys
-(sparkdeploy.report.history)."""
+(sparkdeploy.report.history).
+
+A task (or flow) whose result holds a recipe's secrets (a Plan: its SecretStr values pickle in
+clear) is declared with persist_result=False and cache_policy=NO_CACHE. Prefect persists no
+result by default, but a server or worker with PREFECT_RESULTS_PERSIST_BY_DEFAULT=true would
+write that pickle to its result storage, and a cached plan would hand a later call the secrets
+(and the recipe) of an earlier one. tests/test_result_storage.py finds every such task by its
+return type.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ sparkdeploy.steps.fit)."""
 from __future__ import annotations
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import DoesNotFit
@@ -13,7 +14,8 @@ from tasks.artifacts import publish_markdown
 from tasks.common import artifact_key
 
 
-@task(name="fit")
+# Its result holds the recipe's secrets: never persisted, never cached (tasks/common.py).
+@task(name="fit", persist_result=False, cache_policy=NO_CACHE)
 def check_fit(plan: Plan) -> Plan:
     """The plan with its fit figures; DoesNotFit, naming the figures and the knobs to turn, when
     the model, its KV cache and the engine cannot fit a node. No retries: its inputs are files.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from prefect import get_client, task
+from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from sparkdeploy.model.cluster import load_cluster
@@ -16,7 +17,9 @@ from tasks.artifacts import publish_table
 from tasks.common import artifact_key
 
 
-@task(name="status")
+# Its result holds the plans, with their secrets: never persisted, never cached
+# (tasks/common.py).
+@task(name="status", persist_result=False, cache_policy=NO_CACHE)
 def read_cluster_status(cluster: str) -> list[DeploymentStatus]:
     """Every deployment of ours on the cluster: its head's health, uptime, last smoke test and
     last health event; a table artifact."""

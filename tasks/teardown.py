@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect import Flow, task
+from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import FlowRun
 from prefect.logging import get_run_logger
 from prefect.logging.loggers import flow_run_logger
@@ -112,7 +113,13 @@ def _publish(report: TeardownReport) -> None:
     )
 
 
-@task(name="teardown-target", task_run_name="teardown-target {recipe}")
+# Its result holds a plan, with its secrets: never persisted, never cached (tasks/common.py).
+@task(
+    name="teardown-target",
+    task_run_name="teardown-target {recipe}",
+    persist_result=False,
+    cache_policy=NO_CACHE,
+)
 def find_recipe_teardown(
     recipe: str, cluster: str, nodes: list[str] | None = None
 ) -> tuple[Plan | None, list[str]]:

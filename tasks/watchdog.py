@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
@@ -23,7 +24,8 @@ from tasks.artifacts import publish_markdown
 from tasks.common import artifact_key, retry_only
 
 
-@task(name="watchdog-targets")
+# Its result holds the recipe's secrets: never persisted, never cached (tasks/common.py).
+@task(name="watchdog-targets", persist_result=False, cache_policy=NO_CACHE)
 def running_plans(cluster: str) -> list[Plan]:
     """A plan per deployment of ours on the cluster, rebuilt from its labels; those a deploy is
     busy with are left for the next round."""

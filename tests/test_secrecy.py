@@ -19,20 +19,34 @@ from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.plan import Plan, make_plan
 from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.remote.ssh import CommandResult
-from sparkdeploy.secrecy import is_secret_name, redact
+from sparkdeploy.report.recipe_diff import diff_recipes
+from sparkdeploy.secrecy import is_secret_flag, is_secret_name, redact
 from sparkdeploy.steps import boot
+from sparkdeploy.vllm.args import argv_has_flag
 
 ROOT = Path(__file__).parent.parent
 SINGLE = ROOT / "recipes" / "lab-single" / "recipe.toml"
 EXAMPLE = ROOT / "clusters" / "dgx-spark-4.toml"
 KEY, TOKEN, MINE = "k3y-value", "t0ken-value", "m1ne-value"
+HF, OTHER_HF = "hf-t0ken-value", "hf-0ther-value"
+NUMBER = 987654321  # a secret of the wrong type: never quoted either
 
 
-def write_recipe(tmp_path: Path, *, args: Sequence[str] = (), env: str = "", top: str = "") -> Path:
+def write_recipe(
+    tmp_path: Path,
+    *,
+    args: Sequence[str] = (),
+    env: str = "",
+    top: str = "",
+    raw_args: str = "",
+    name: str = "lab-secret",
+) -> Path:
+    """lab-single with `args` (quoted) and `raw_args` (TOML as written) first in its args."""
     text = SINGLE.read_text()
-    text = text.replace("args = [\n", "args = [\n" + "".join(f'    "{a}",\n' for a in args))
+    quoted = "".join(f'    "{a}",\n' for a in args)
+    text = text.replace("args = [\n", "args = [\n" + quoted + raw_args)
     text = text.replace("[env]\n", f"[env]\n{env}")
-    path = tmp_path / "lab-secret" / "recipe.toml"
+    path = tmp_path / name / "recipe.toml"
     path.parent.mkdir()
     path.write_text(top + text)
     return path
@@ -111,6 +125,91 @@ def test_sparkdeploy_plan_prints_stars(tmp_path: Path) -> None:
         assert "***" in result.output
     text = runner.invoke(app, ["plan", str(path), "--cluster", str(EXAMPLE)]).output
     assert "--env-file <0600 file: HF_TOKEN=*** VLLM_API_KEY=***>" in text
+
+
+@pytest.mark.parametrize(
+    ("flag", "secret"),
+    [
+        ("--api-key", True),
+        ("--api_key", True),
+        ("--hf-token", True),
+        ("--vault-token", True),  # in vLLM's own SENSITIVE_ARGS
+        ("--db-password", True),
+        ("--client-secret", True),
+        ("--max-num-batched-tokens", False),
+        ("--return-tokens-as-token-ids", False),
+        ("--ssl-keyfile", False),
+        ("--tokenizer", False),
+    ],
+)
+def test_secret_flags(flag: str, secret: bool) -> None:
+    assert is_secret_flag(flag) is secret
+
+
+def test_hf_token_flag_reaches_vllm_as_secret_env_and_shows_nowhere(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, args=["--hf-token", HF])
+    plan = make_plan(load_recipe(path), load_cluster(EXAMPLE))
+    [node] = plan.nodes
+    spec = node.container
+    # vLLM reads HF_TOKEN when --hf-token is absent; the flag would show in `ps` and vLLM's log
+    assert not argv_has_flag(spec.command, "--hf-token")
+    assert HF not in " ".join(spec.docker_run_argv())
+    assert spec.env_file() == f"HF_TOKEN={HF}\n".encode()
+    assert HF not in plan.model_dump_json() and HF not in repr(plan)
+    runner = CliRunner()
+    for options in ([], ["--json"]):
+        result = runner.invoke(app, ["plan", str(path), "--cluster", str(EXAMPLE), *options])
+        assert result.exit_code == 0, result.output
+        assert HF not in result.output and "***" in result.output
+    recording = RecordingRunner(tmp_path)
+    boot._run(recording, node, {})  # type: ignore[arg-type]
+    [argv] = recording.commands
+    assert all(HF not in arg for arg in argv) and "--env-file" in argv[2]
+
+
+def test_a_bare_hf_token_flag_stays_a_flag(tmp_path: Path) -> None:
+    """`--hf-token` alone is vLLM's "use the stored login": no value, no secret."""
+    path = write_recipe(tmp_path, args=["--hf-token", "--enforce-eager"])
+    [node] = make_plan(load_recipe(path), load_cluster(EXAMPLE)).nodes
+    assert argv_has_flag(node.container.command, "--hf-token")
+    assert "HF_TOKEN" not in node.container.secret_env
+
+
+def test_recipe_diff_masks_secret_flags(tmp_path: Path) -> None:
+    a = load_recipe(write_recipe(tmp_path, args=["--hf-token", HF], name="a"))
+    b = load_recipe(write_recipe(tmp_path, args=[f"--hf-token={OTHER_HF}"], name="b"))
+    found = diff_recipes(a, b)
+    text = found.text() + found.markdown()
+    assert HF not in text and OTHER_HF not in text
+    assert "HF_TOKEN: *** -> *** (differs)" in found.text()
+
+
+@pytest.mark.parametrize(
+    ("raw_args", "env", "top", "problem"),
+    [
+        (f'    "--api-key", {NUMBER},\n', "", "", "args[1]: must be a string"),
+        (f'    "--hf-token", {NUMBER},\n', "", "", "args[1]: must be a string"),
+        (f'    "--hf-token", ["{HF}"],\n', "", "", "args[1]: must be a string"),
+        ("", f"MY_VAR = {NUMBER}\n", 'secret_env = ["MY_VAR"]\n', "env.MY_VAR: must be"),
+        ("", f'MY_VAR = ["{HF}"]\n', 'secret_env = ["MY_VAR"]\n', "env.MY_VAR: must be"),
+        (f'    "--hf-token", "{HF}",\n', f'HF_TOKEN = "{HF}"\n', "", "both set the HF token"),
+        (f'    "--vault-token", "{HF}",\n', "", "", "--vault-token takes a secret"),
+        (f'    "--hf-token", "\'{HF}\'",\n', "", "", ""),  # quotes kept, never echoed
+    ],
+)
+def test_secret_values_of_any_type_are_never_quoted(
+    tmp_path: Path, raw_args: str, env: str, top: str, problem: str
+) -> None:
+    path = write_recipe(tmp_path, raw_args=raw_args, env=env, top=top)
+    if not problem:
+        plan = make_plan(load_recipe(path), load_cluster(EXAMPLE))
+        assert plan.nodes[0].container.env_file() == f"HF_TOKEN='{HF}'\n".encode()
+        return
+    with pytest.raises(RecipeError) as refused:
+        load_recipe(path)
+    message = str(refused.value)
+    assert problem in message
+    assert str(NUMBER) not in message and HF not in message
 
 
 @pytest.mark.parametrize(

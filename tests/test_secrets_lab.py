@@ -1,10 +1,12 @@
 """A recipe that protects its API deploys on the lab, and its secrets are nowhere they could leak.
 
-The recipe is lab-single with a planted sentinel as `--api-key` and another as SENTINEL_TOKEN in
-its [env]; the stand-in enforces the key as vLLM does. The deploy's gate and smoke test, the
-watchdog's smoke test and status must all send the key; then every Prefect record of those flow
-runs (parameters, task runs, logs, artifacts), the plan as `sparkdeploy plan` shows it, the NAS
-runs dir, and every node's process list and temporary dirs are searched for the sentinels.
+The recipe is lab-single with planted sentinels as `--api-key`, as `--hf-token` (which reaches
+the engine as HF_TOKEN) and as SENTINEL_TOKEN in its [env]; the stand-in enforces the key as
+vLLM does. The deploy's gate and smoke test, the watchdog's smoke test and status must all send
+the key; then every Prefect record of those flow runs (parameters, task runs, logs, artifacts),
+Prefect's result storage (the flows run with PREFECT_RESULTS_PERSIST_BY_DEFAULT=true), the plan
+as `sparkdeploy plan` shows it, the NAS runs dir, and every node's process list and temporary
+dirs are searched for the sentinels.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from uuid import UUID
 
 import pytest
 from lab_flows import nothing_runs, recipe_variant, settled_task_runs
+from prefect.settings import (
+    PREFECT_LOCAL_STORAGE_PATH,
+    PREFECT_RESULTS_PERSIST_BY_DEFAULT,
+    temporary_settings,
+)
+from test_result_storage import _readable_forms
 from typer.testing import CliRunner
 
 from flows.deploy import deploy
@@ -91,12 +99,18 @@ def test_a_protected_recipe_deploys_and_its_secrets_appear_nowhere(
     publish_lab_models(lab_cluster.hub_repos_dir)
     cluster = str(lab_cluster.inventory_path)
     api_key, env_secret = f"sentinel{token_hex(8)}", f"sentinel{token_hex(8)}"
+    hf_token = f"sentinel{token_hex(8)}"
+    sentinels = [api_key, env_secret, hf_token]
+    storage = tmp_path / "results"
     root = tmp_path / "project"
     recipe_variant(
         root / "recipes",
         RECIPE,
         SINGLE,
-        ("args = [\n", f'args = [\n    "--api-key", "{api_key}",\n'),
+        (
+            "args = [\n",
+            f'args = [\n    "--api-key", "{api_key}",\n    "--hf-token", "{hf_token}",\n',
+        ),
         ("[env]\n", f'[env]\nSENTINEL_TOKEN = "{env_secret}"\n'),
     )
     # The watchdog and status re-plan running deployments by recipe name, from the project root.
@@ -104,35 +118,39 @@ def test_a_protected_recipe_deploys_and_its_secrets_appear_nowhere(
     plan = load_plan(RECIPE, cluster)
     head = cached_connection(node_target(plan.nodes[0]))
     runs = []
-    try:
-        deployed = deploy(RECIPE, cluster=cluster, return_state=True)
-        runs.append(deployed.state_details.flow_run_id)
-        assert deployed.is_completed(), deployed.message
-        # The engine guards /v1 with the key (and only /v1), and has the secret env.
-        refused = engine_http.request("GET", f"{plan.endpoint}/v1/models", timeout=10)
-        assert refused.status == 401
-        assert engine_http.request("GET", f"{plan.endpoint}/health", timeout=10).status == 200
-        printed = head.run(
-            [
-                "docker",
-                "exec",
-                plan.nodes[0].container.name,
-                "python3",
-                "-c",
-                "import os; print(os.environ['SENTINEL_TOKEN'])",
-            ],
-            timeout=30,
-        )
-        assert printed.stdout.decode().strip() == env_secret
-        watched = smoke(cluster=cluster, return_state=True)
-        runs.append(watched.state_details.flow_run_id)
-        assert watched.is_completed(), watched.message
-        assert [report.passed for report in watched.result()] == [True]
-        places = _node_listings(cluster, [api_key, env_secret])
-    finally:
-        torn = teardown(RECIPE, cluster=cluster, return_state=True)
-        runs.append(torn.state_details.flow_run_id)
-        close_cached()
+    # Every task's and flow's result pickled into this storage, as a server so configured does.
+    with temporary_settings(
+        {PREFECT_RESULTS_PERSIST_BY_DEFAULT: True, PREFECT_LOCAL_STORAGE_PATH: storage}
+    ):
+        try:
+            deployed = deploy(RECIPE, cluster=cluster, return_state=True)
+            runs.append(deployed.state_details.flow_run_id)
+            assert deployed.is_completed(), deployed.message
+            # The engine guards /v1 with the key (and only /v1), and has the secret env.
+            refused = engine_http.request("GET", f"{plan.endpoint}/v1/models", timeout=10)
+            assert refused.status == 401
+            assert engine_http.request("GET", f"{plan.endpoint}/health", timeout=10).status == 200
+            printed = head.run(
+                [
+                    "docker",
+                    "exec",
+                    plan.nodes[0].container.name,
+                    "python3",
+                    "-c",
+                    "import os; print(os.environ['SENTINEL_TOKEN'], os.environ['HF_TOKEN'])",
+                ],
+                timeout=30,
+            )
+            assert printed.stdout.decode().split() == [env_secret, hf_token]
+            watched = smoke(cluster=cluster, return_state=True)
+            runs.append(watched.state_details.flow_run_id)
+            assert watched.is_completed(), watched.message
+            assert [report.passed for report in watched.result()] == [True]
+            places = _node_listings(cluster, sentinels)
+        finally:
+            torn = teardown(RECIPE, cluster=cluster, return_state=True)
+            runs.append(torn.state_details.flow_run_id)
+            close_cached()
     assert torn.is_completed(), torn.message
 
     records = _prefect_records(run for run in runs if run is not None)
@@ -149,6 +167,11 @@ def test_a_protected_recipe_deploys_and_its_secrets_appear_nowhere(
         places[f"{path} (name)"] = str(path)
         places[str(path)] = path.read_text(errors="replace")
 
-    leaks = [where for where, text in places.items() if api_key in text or env_secret in text]
+    stored = [path for path in storage.rglob("*") if path.is_file()]
+    assert stored  # the storage is real: the flows' results went there
+    for path in stored:
+        for number, form in enumerate(_readable_forms(path.read_bytes())):
+            places[f"{path} (form {number})"] = form.decode(errors="replace")
+    leaks = [where for where, text in places.items() if any(s in text for s in sentinels)]
     assert leaks == []
     nothing_runs(cluster)

@@ -1,7 +1,9 @@
 """The launch plan: what a deployment does on each node, computed without touching any node.
 
 `make_plan(recipe, cluster, nodes)` is pure: the same inputs give the same plan (and the same
-deployment id), so a plan can be shown, diffed and tested before anything runs. Every model here
+deployment id), so a plan can be shown, diffed and tested before anything runs. Its only reads
+are of inputs: a local file's kind from the NAS cache when this host sees it, and an ops host
+local file's sha256 (sparkdeploy.model.local_files). Every model here
 is plain data (JSON-able, picklable) so Prefect tasks can pass it around.
 """
 
@@ -12,15 +14,17 @@ import hashlib
 import json
 import posixpath
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from sparkdeploy.errors import PlanError, RecipeError
 from sparkdeploy.model.cluster import Cluster, GidIndex, Node, RoceHcas
+from sparkdeploy.model.local_files import Kind, local_file_kind
 from sparkdeploy.model.memory import EngineMemory, FitReport, NodeMemory, read_memory_flags
 from sparkdeploy.model.recipe import MarkerSpec, Recipe, RepoRef, SmokeOptions
-from sparkdeploy.secrecy import API_KEY_ENV, API_KEY_FLAG, Secret
+from sparkdeploy.secrecy import FLAG_ENV, Secret, keyed_digest
 from sparkdeploy.vllm.args import argv_has_flag
 from sparkdeploy.vllm.markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
 
@@ -31,9 +35,11 @@ __all__ = [
     "ComposedPlan",
     "ContainerSpec",
     "EngramStage",
+    "LocalFileKind",
     "MarkerSpec",
     "Mount",
     "NodePlan",
+    "PlainStage",
     "Plan",
     "RepoRef",
     "SmokeOptions",
@@ -48,6 +54,9 @@ LABEL_PREFIX = "sparkdeploy."
 # The digest of what a node runs (spec_digest): a running copy started from another version of
 # the recipe or inventory is told apart from one started from this plan.
 SPEC_LABEL = f"{LABEL_PREFIX}spec"
+# A keyed digest of the secret values a container was started with (with_secrets_label): the
+# spec digest masks them, so without it a rotated secret would be found "already serving".
+SECRETS_LABEL = f"{LABEL_PREFIX}secrets"
 
 
 class _Data(BaseModel):
@@ -116,6 +125,27 @@ class EngramStage(_Data):
     tp_size: int
 
 
+class PlainStage(_Data):
+    """`filename` put whole at `dest`: from `repo`'s snapshot in the NAS cache, or from
+    `ops_file` on the flow host, whose sha256 and size are read at plan time (so a changed file
+    changes the node's spec digest, and the node checks the bytes it gets against them)."""
+
+    filename: str
+    dest: str
+    repo: RepoRef | None
+    ops_file: str | None
+    sha256: str | None
+    size: int | None
+
+
+class LocalFileKind(_Data):
+    """What a local file is staged as, and the rule that decided (sparkdeploy.model.local_files)."""
+
+    dest: str
+    kind: Kind
+    why: str
+
+
 class ComposedPlan(_Data):
     root: str  # the composed dir on the node
     sources: list[RepoRef]
@@ -148,6 +178,7 @@ class NodePlan(_Data):
     container: ContainerSpec
     serve_exec: list[str] | None  # Ray: the `vllm serve` argv run in the head's container
     engram: list[EngramStage]
+    plain: list[PlainStage] = Field(default_factory=list)
     composed: ComposedPlan | None
 
 
@@ -177,6 +208,7 @@ class Plan(_Data):
     nodes: list[NodePlan]
     # The fit check's figures (sparkdeploy.steps.fit), once the model is in the NAS cache.
     fit: FitReport | None = None
+    local_files: list[LocalFileKind] = Field(default_factory=list)
 
     @property
     def head(self) -> NodePlan:
@@ -225,9 +257,13 @@ def deployment_id(recipe_id: str, node_names: Sequence[str]) -> str:
 def spec_digest(node: NodePlan) -> str:
     """What the node runs, as a digest: its container (image reference, argv, env, mounts, run
     options), the Ray serve argv, its Engram copies and composed sources with their revisions.
-    How the node is reached (ssh) and the labels are left out; secret values are masked (a
-    changed API key shows as the smoke test's 401 instead)."""
+    How the node is reached (ssh) and the labels are left out; secret values are masked (their
+    keyed digest is a label of its own: with_secrets_label)."""
     data = node.model_dump(mode="json", exclude={"ssh": True, "container": {"labels"}})
+    if not data["plain"]:
+        # Left out when empty, so deployments without plain files keep the digest their running
+        # containers carry from before plain files existed.
+        del data["plain"]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -236,6 +272,21 @@ def _with_spec_label(node: NodePlan) -> NodePlan:
     return node.model_copy(
         update={"container": node.container.model_copy(update={"labels": labels})}
     )
+
+
+def with_secrets_label(plan: Plan, key: bytes) -> Plan:
+    """The plan with each container that has secret env labelled SECRETS_LABEL with their keyed
+    digest (secrecy.keyed_digest), so a copy started with other values is told apart. `key` is
+    kept on the flow side (tasks.plan.secrets_digest_key), never on a node; make_plan stays
+    pure, and `sparkdeploy plan`, which has no key, shows no such label."""
+    nodes = []
+    for node in plan.nodes:
+        spec = node.container
+        if spec.secret_env:
+            labels = {**spec.labels, SECRETS_LABEL: keyed_digest(spec.secret_env, key)}
+            node = node.model_copy(update={"container": spec.model_copy(update={"labels": labels})})
+        nodes.append(node)
+    return plan.model_copy(update={"nodes": nodes})
 
 
 def _check_placement(recipe: Recipe, cluster: Cluster, nodes: list[Node]) -> int:
@@ -277,9 +328,8 @@ def _node_env(
     plain env and the secret one (sparkdeploy.secrecy)."""
     env = dict(cluster.nccl.get(recipe.nccl_profile or "", {}))
     env.update(recipe.env)
-    if recipe.api_key is not None:
-        # vLLM reads VLLM_API_KEY as it reads --api-key, and a flag would show in `ps`.
-        env[API_KEY_ENV] = recipe.api_key
+    # vLLM reads VLLM_API_KEY and HF_TOKEN as it reads their flags, and a flag would show in `ps`.
+    env.update(recipe.secret_flag_env)
     env.update(
         {
             "VLLM_HOST_IP": node.fabric_ip,
@@ -323,7 +373,11 @@ def _mounts(recipe: Recipe, cluster: Cluster, node: Node, composed_root: str | N
 
 def serve_argv(recipe: Recipe) -> list[str]:
     """`MODEL args...` with the parallel sizes and backend every node shares."""
-    argv = [recipe.model, *recipe.vllm_args.without(API_KEY_FLAG).argv()]
+    args = recipe.vllm_args
+    for flag in FLAG_ENV:
+        if args.value(flag) is not None:  # passed as its env (_node_env); a bare flag stays
+            args = args.without(flag)
+    argv = [recipe.model, *args.argv()]
     if recipe.model_revision is not None:
         argv += ["--revision", recipe.model_revision]
     argv += ["--tensor-parallel-size", str(recipe.tensor_parallel_size)]
@@ -368,6 +422,51 @@ def _engram_source(recipe: Recipe) -> RepoRef:
     return RepoRef(repo=recipe.model, revision=recipe.model_revision)
 
 
+def _local_file_kinds(recipe: Recipe, nas_hf_cache: str) -> list[LocalFileKind]:
+    composed = recipe.composed_model
+    return [
+        LocalFileKind(dest=local.host, kind=kind, why=why)
+        for local in (composed.local_files if composed else [])
+        for kind, why in [local_file_kind(local, _engram_source(recipe), nas_hf_cache)]
+    ]
+
+
+def _plain_stages(recipe: Recipe, kinds: Sequence[LocalFileKind]) -> list[PlainStage]:
+    """The plain files, the same on every node; an ops host file is read here for its sha256."""
+    plain_dests = {decided.dest for decided in kinds if decided.kind == "plain"}
+    stages = []
+    for local in recipe.composed_model.local_files if recipe.composed_model else []:
+        if local.host not in plain_dests:
+            continue
+        ops_file = recipe.ops_file(local)
+        sha256, size = _digest(ops_file) if ops_file is not None else (None, None)
+        stages.append(
+            PlainStage(
+                filename=posixpath.basename(local.host),
+                dest=local.host,
+                repo=None if ops_file is not None else _engram_source(recipe),
+                ops_file=str(ops_file.resolve()) if ops_file is not None else None,
+                sha256=sha256,
+                size=size,
+            )
+        )
+    return stages
+
+
+def _digest(path: Path) -> tuple[str, int]:
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as file:
+            while chunk := file.read(1 << 20):
+                digest.update(chunk)
+    except OSError as exc:
+        raise PlanError(
+            f"local file {path}: cannot read it on this host ({exc.strerror or exc}); fix the "
+            "recipe's from_file or the file"
+        ) from None
+    return digest.hexdigest(), path.stat().st_size
+
+
 def _node_memory(node: Node) -> NodeMemory:
     return NodeMemory(
         total_bytes=round(node.memory_gib * GIB),
@@ -399,6 +498,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
     dep_id = deployment_id(recipe.recipe_id, [node.name for node in selected])
     head = selected[0]
     composed = recipe.composed_model
+    kinds = _local_file_kinds(recipe, cluster.nas.hf_cache)
+    plain = _plain_stages(recipe, kinds)
     node_plans = []
     for rank, node in enumerate(selected):
         composed_root = posixpath.join(cluster.node_paths.composed_root, dep_id)
@@ -429,16 +530,17 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
             ulimits=dict(cluster.docker.ulimits),
             extra_run_options=list(cluster.docker.run_options),
         )
-        local_files = [local.host for local in composed.local_files] if composed else []
+        local_files = [decided.dest for decided in kinds]
         engram = [
             EngramStage(
                 repo=_engram_source(recipe),
-                filename=posixpath.basename(path),
-                dest=path,
+                filename=posixpath.basename(decided.dest),
+                dest=decided.dest,
                 ranks=tp_ranks,
                 tp_size=recipe.tensor_parallel_size,
             )
-            for path in local_files
+            for decided in kinds
+            if decided.kind == "engram"
         ]
         node_plans.append(
             NodePlan(
@@ -455,6 +557,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
                 container=container,
                 serve_exec=serve_exec,
                 engram=engram,
+                plain=plain,
                 composed=ComposedPlan(
                     root=composed_root,
                     sources=[RepoRef(repo=s.repo, revision=s.revision) for s in composed.sources],
@@ -493,4 +596,5 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
         blocked=recipe.blocked_reason,
         memory=_engine_memory(recipe),
         nodes=[_with_spec_label(node) for node in node_plans],
+        local_files=kinds,
     )

@@ -20,10 +20,12 @@ from sparkdeploy.model.tomlfile import KeyPath, format_key, load_toml, validate_
 from sparkdeploy.secrecy import (
     API_KEY_ENV,
     API_KEY_FLAG,
+    FLAG_ENV,
+    is_secret_flag,
     is_secret_name,
     unsafe_value_problem,
 )
-from sparkdeploy.vllm.args import VllmArgs, normalise_args, parse_args
+from sparkdeploy.vllm.args import VllmArgs, is_flag, normalise_args, parse_args
 
 DEFAULT_API_PORT = 8000
 # vLLM's own default for VLLM_ENGINE_READY_TIMEOUT_S: it gives up on the engine after this.
@@ -103,6 +105,11 @@ class ComposedSource(_Strict):
 
 class ComposedLocalFile(_Strict):
     host: str
+    # From the ops host (the flow host), relative to the recipe dir; None: the file of the same
+    # name in the composed source's snapshot in the NAS cache.
+    from_file: str | None = None
+    # None: decided by the plan (sparkdeploy.model.local_files).
+    kind: Literal["engram", "plain"] | None = None
 
 
 class ComposedModel(_Strict):
@@ -147,6 +154,8 @@ class Recipe(_Strict):
 
     _recipe_id: str = PrivateAttr(default="recipe")
     _header_blocked_reason: str | None = PrivateAttr(default=None)
+    # The recipe file's dir: local_files' from_file paths are relative to it.
+    _recipe_dir: Path = PrivateAttr(default=Path("."))
 
     @field_validator("model", "parent_model")
     @classmethod
@@ -174,6 +183,10 @@ class Recipe(_Strict):
         """The recipe's directory name (what `sparkdeploy plan NAME` takes)."""
         return self._recipe_id
 
+    def ops_file(self, local: ComposedLocalFile) -> Path | None:
+        """Where a local file's from_file is on the ops host (None: it comes from the NAS)."""
+        return None if local.from_file is None else self._recipe_dir / local.from_file
+
     @cached_property
     def vllm_args(self) -> VllmArgs:
         return normalise_args(self.args)
@@ -191,6 +204,13 @@ class Recipe(_Strict):
     def api_key(self) -> str | None:
         """The key vLLM guards /v1 with: `--api-key`, else env VLLM_API_KEY."""
         return self.vllm_args.value(API_KEY_FLAG) or self.env.get(API_KEY_ENV) or None
+
+    @property
+    def secret_flag_env(self) -> dict[str, str]:
+        """The secret flags' values as the env variables vLLM reads in their place (FLAG_ENV):
+        the plan passes them so, never in an argv. A bare `--hf-token` (no value) is not here."""
+        values = {env: self.vllm_args.value(flag) for flag, env in FLAG_ENV.items()}
+        return {env: value for env, value in values.items() if value}
 
     def is_secret_env(self, name: str) -> bool:
         return is_secret_name(name, self.secret_env)
@@ -268,21 +288,65 @@ def _arg_problems(recipe: Recipe, where: Where, backend_known: bool) -> list[str
     port = args.find("--port")
     if port is not None and not (port.value or "").isdigit():
         problems.append(f"{where(('args', port.index))}: --port {port.value!r} is not a number")
-    api_key = args.find(API_KEY_FLAG)
-    if api_key is not None:
-        at = where(("args", api_key.index))
-        if not api_key.value:
-            problems.append(f"{at}: {API_KEY_FLAG} needs a value (the key clients must send)")
-        elif API_KEY_ENV in recipe.env:
-            problems.append(
-                f"{at}: {API_KEY_FLAG} and env.{API_KEY_ENV} both set the API key; keep one"
-            )
-        elif (problem := unsafe_value_problem(api_key.value)) is not None:
-            problems.append(f"{at}: {API_KEY_FLAG}'s value {problem}")
+    problems += _secret_flag_problems(recipe, args, where)
     served = args.find("--served-model-name")
     if served is not None and served.value is None:
         problems.append(f"{where(('args', served.index))}: --served-model-name needs a value")
     return problems
+
+
+# What each secret flag vLLM also reads from the env sets, for the errors.
+_SECRET_FLAG_WHAT = {API_KEY_FLAG: "the API key", "--hf-token": "the HF token"}
+
+
+def _secret_flag_problems(recipe: Recipe, args: VllmArgs, where: Where) -> list[str]:
+    """A secret flag's value must reach vLLM through the env (secrecy.FLAG_ENV), never an argv
+    that `ps` on the node shows; problems never quote the value."""
+    problems = []
+    for flag in args.flags:
+        if not is_secret_flag(flag.name):
+            continue
+        at = where(("args", flag.index))
+        env = FLAG_ENV.get(flag.canonical)
+        if flag.canonical == API_KEY_FLAG and not flag.value:
+            problems.append(f"{at}: {API_KEY_FLAG} needs a value (the key clients must send)")
+        elif flag.value is None:
+            continue  # a bare flag: `--hf-token` alone is vLLM's "use the stored login"
+        elif not flag.value:
+            problems.append(f"{at}: {flag.name} has an empty value; write the value or remove it")
+        elif env is None:
+            problems.append(
+                f"{at}: {flag.name} takes a secret, and a flag's value shows in `ps` on the node;"
+                f" only {' and '.join(FLAG_ENV)} reach vLLM through its env here: set the env"
+                " variable the engine reads in its place in [env] (a secret by its name or"
+                " listed in secret_env), or remove the flag"
+            )
+        elif env in recipe.env:
+            what = _SECRET_FLAG_WHAT[flag.canonical]
+            problems.append(f"{at}: {flag.name} and env.{env} both set {what}; keep one")
+        elif (problem := unsafe_value_problem(flag.value)) is not None:
+            problems.append(f"{at}: {flag.name}'s value {problem}")
+    return problems
+
+
+def _secret_value_at(data: dict[str, Any]) -> Callable[[KeyPath], bool]:
+    """Whether a key of a recipe file's raw `data` holds a secret value, whatever its type:
+    an [env] entry with a secret's name or listed in secret_env, or the value after a secret
+    flag in args. Type errors are found before the recipe is built, so this reads the file."""
+    marked = [name for name in data.get("secret_env") or [] if isinstance(name, str)]
+    raw_args = data.get("args")
+    args = raw_args if isinstance(raw_args, list) else []
+
+    def secret(key_path: KeyPath) -> bool:
+        if len(key_path) >= 2 and key_path[0] == "env" and isinstance(key_path[1], str):
+            return is_secret_name(key_path[1], marked)
+        if len(key_path) >= 2 and key_path[0] == "args" and isinstance(key_path[1], int):
+            before = args[key_path[1] - 1] if 0 < key_path[1] <= len(args) else None
+            flag = isinstance(before, str) and is_flag(before) and "=" not in before
+            return flag and is_secret_flag(str(before))
+        return False
+
+    return secret
 
 
 def _path_problems(recipe: Recipe, where: Where, broken: frozenset[str]) -> list[str]:
@@ -310,6 +374,7 @@ def _path_problems(recipe: Recipe, where: Where, broken: frozenset[str]) -> list
                     f"{where(local_key)}: {format_key(local_key)} {local.host!r} must be an "
                     "absolute path on the node"
                 )
+            problems += _local_file_problems(local, index, where)
     for index, mount in enumerate([] if "extra_mounts" in broken else recipe.extra_mounts):
         if not (mount.host.startswith("/") or mount.host == "~" or mount.host.startswith("~/")):
             key: KeyPath = ("extra_mounts", index, "host")
@@ -321,6 +386,57 @@ def _path_problems(recipe: Recipe, where: Where, broken: frozenset[str]) -> list
             key = ("extra_mounts", index, "container")
             problems.append(
                 f"{where(key)}: {format_key(key)} {mount.container!r} must be an absolute path"
+            )
+    return problems
+
+
+def _local_file_problems(local: ComposedLocalFile, index: int, where: Where) -> list[str]:
+    """from_file and kind of one local file (from_file's existence: _missing_ops_files)."""
+    problems = []
+    name = PurePosixPath(local.host).name
+    if local.from_file is not None:
+        key: KeyPath = ("composed_model", "local_files", index, "from_file")
+        if _leads_out(local.from_file):
+            problems.append(
+                f"{where(key)}: {format_key(key)} {local.from_file!r} must name a file under "
+                "the recipe's dir: a relative path without '..'"
+            )
+    if local.kind == "engram":
+        key = ("composed_model", "local_files", index, "kind")
+        if not name.endswith(".safetensors"):
+            problems.append(
+                f'{where(key)}: {format_key(key)} = "engram" but {name} is not a .safetensors '
+                'file, so it holds no Engram table; remove kind (or set "plain")'
+            )
+        elif local.from_file is not None:
+            problems.append(
+                f'{where(key)}: {format_key(key)} = "engram" with from_file: an Engram copy is '
+                "made from the NAS snapshot on each node; remove from_file (or kind)"
+            )
+    return problems
+
+
+def _leads_out(relative: str) -> bool:
+    """Whether a path joined to the recipe dir on the flow host would lead out of it."""
+    parts = PurePosixPath(relative).parts
+    return not parts or relative.startswith("/") or ".." in parts
+
+
+def _missing_ops_files(recipe: Recipe, where: Where) -> list[str]:
+    """Each local file's from_file must be a file under the recipe dir (one that leads out of it
+    is _local_file_problems')."""
+    problems = []
+    local_files = recipe.composed_model.local_files if recipe.composed_model else []
+    for index, local in enumerate(local_files):
+        path = recipe.ops_file(local)
+        if path is None or _leads_out(str(local.from_file)):
+            continue
+        if not path.is_file():
+            key: KeyPath = ("composed_model", "local_files", index, "from_file")
+            problems.append(
+                f"{where(key)}: {format_key(key)}: {path} does not exist (or is not a file); "
+                f"put the file for {PurePosixPath(local.host).name} there, or fix from_file "
+                "(relative to the recipe's dir), or remove it to take the file from the NAS"
             )
     return problems
 
@@ -446,9 +562,12 @@ def load_recipe(path: Path) -> Recipe:
             "move it to clusters/<name>.toml (sparkdeploy validate checks files in clusters/ as "
             "inventories); nothing else in it was checked"
         )
-    validated = validate_document(document, Recipe)
+    validated = validate_document(document, Recipe, secret_at=_secret_value_at(document.data))
     recipe = validated.value
     problems = validated.problems + recipe_problems(recipe, document.where, validated.broken)
+    recipe._recipe_dir = path.parent
+    if "composed_model" not in validated.broken:
+        problems += _missing_ops_files(recipe, document.where)
     if problems:
         raise RecipeError("\n".join(document.in_file_order(problems)))
     recipe._recipe_id = recipe_id_for(path)

@@ -15,7 +15,7 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Generic, TypeVar
@@ -454,10 +454,13 @@ def unknown_key_message(
     return f"{where}: unknown key '{format_key(key_path)}': {hint}"
 
 
-def _describe(error: Any) -> str:
+def _describe(error: Any, secret: bool = False) -> str:
+    """Pydantic's error in words; `secret`: the value is a secret, never echoed."""
     kind = error["type"]
     value = error.get("input")
-    if any(isinstance(part, str) and is_secret_name(part) for part in error.get("loc", ())):
+    if secret or any(
+        isinstance(part, str) and is_secret_name(part) for part in error.get("loc", ())
+    ):
         value = MASK  # a value under a secret's name is never echoed, even a wrong one
     if kind == "missing":
         return "required key is missing: add it"
@@ -520,6 +523,8 @@ def validate_document(
     document: TomlDocument,
     model: type[ModelT],
     retired: Mapping[KeyPath, str] | None = None,
+    *,
+    secret_at: Callable[[KeyPath], bool] = lambda key_path: False,
 ) -> Validated[ModelT]:
     """Validate the parsed data; every problem becomes one `file:line: key: words` line.
 
@@ -528,6 +533,8 @@ def validate_document(
     `retired`: keys the format no longer reads, each with what to do instead. A file that still
     sets one gets that as its problem (not "unknown key", whose did-you-mean would point at
     another key), and the rest of the file is checked as if the key were not there.
+    `secret_at`: whether a key holds a secret value (beyond a secret's name, which is always one),
+    whose wrong value a problem never quotes.
     """
     data, problems = _without_retired(document, retired or {})
     try:
@@ -558,7 +565,8 @@ def validate_document(
                 )
             )
         elif key_path:
-            problems.append(f"{where}: {format_key(key_path)}: {_describe(error)}")
+            described = _describe(error, secret_at(key_path))
+            problems.append(f"{where}: {format_key(key_path)}: {described}")
         else:
             problems.append(f"{where}: {_describe(error)}")
     # Each right field again on its own (it passed above, so this cannot fail); the model's

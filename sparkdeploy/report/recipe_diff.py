@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from sparkdeploy.model.plan import serve_argv
 from sparkdeploy.model.recipe import Recipe
 from sparkdeploy.report.markdown import markdown_table
-from sparkdeploy.secrecy import API_KEY_ENV, MASK
+from sparkdeploy.secrecy import MASK
 from sparkdeploy.vllm.args import canonical_flag, is_flag
 
 ABSENT = "(not set)"
@@ -49,9 +49,8 @@ def engine_flags(argv: list[str]) -> dict[str, str]:
 
 def engine_view(recipe: Recipe) -> dict[str, dict[str, str]]:
     """The recipe as its containers will see it, section by section; secrets as `***`."""
-    env = dict(recipe.env)
-    if recipe.api_key is not None:
-        env[API_KEY_ENV] = recipe.api_key  # the plan passes --api-key as this env (secrecy.py)
+    # The plan passes a secret flag (--api-key, --hf-token) as its env variable (secrecy.py).
+    env = {**recipe.env, **recipe.secret_flag_env}
     mounts = {
         mount.container: f"{mount.host} ({'ro' if mount.read_only else 'rw'})"
         for mount in recipe.extra_mounts

@@ -2,8 +2,9 @@
 
 A scheduled deploy asks this first. The same deployment (same recipe and nodes: the same deployment
 id) runs as planned when every node of the plan has exactly one container of it, started from this
-plan (the spec label, sparkdeploy.model.plan.spec_digest: revisions, args, env, mounts), from the
-image the recipe's reference names on that node now (a deploy boots exactly that:
+plan (the spec label, sparkdeploy.model.plan.spec_digest: revisions, args, env, mounts) with its
+secret values (the secrets label, their keyed digest: sparkdeploy.model.plan.with_secrets_label),
+from the image the recipe's reference names on that node now (a deploy boots exactly that:
 sparkdeploy.steps.image leaves a present image alone) and, for an image built from images/<dir>,
 from the build context as it is now. It is healthy when every container runs and the head answers
 /health and lists the served model; the smoke test then has the last word.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sparkdeploy.model.labels import DEPLOYMENT_LABEL
-from sparkdeploy.model.plan import SPEC_LABEL, Plan
+from sparkdeploy.model.plan import SECRETS_LABEL, SPEC_LABEL, Plan
 from sparkdeploy.remote.docker_cli import ContainerInfo, Runner, list_containers, on_nodes, probe
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.steps.image import CONTEXT_LABEL
@@ -101,6 +102,11 @@ def judge_running_copy(
             problems.append(
                 f"{node.node} runs spec {started_from or 'unknown'}, the recipe now gives"
                 f" {expected} (the recipe or inventory changed since it was started)"
+            )
+        elif container.labels.get(SECRETS_LABEL) != node.container.labels.get(SECRETS_LABEL):
+            problems.append(
+                f"{node.node} was started with other secret values than the recipe gives now"
+                " (their keyed digest differs: a rotated API key, HF token or secret_env value)"
             )
         if container.image_id != found.image_id:
             problems.append(

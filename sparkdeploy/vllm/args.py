@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkdeploy.errors import RecipeError
-from sparkdeploy.secrecy import API_KEY_FLAG, MASK
+from sparkdeploy.secrecy import MASK, is_secret_flag
 
 JSON_FLAGS = frozenset(
     {
@@ -122,8 +122,7 @@ def parse_args(
     flags: list[Flag] = []
     problems: list[str] = []
     seen: dict[str, Flag] = {}
-    secret_flag = canonical_flag(API_KEY_FLAG)
-    after_secret = False  # a stray value after --api-key is likely a second key: never echoed
+    after_secret = False  # a stray value after a secret flag is likely a second one: never echoed
     index = 0
     while index < len(args):
         token = args[index]
@@ -152,8 +151,8 @@ def parse_args(
         else:
             value = None
         parsed = None
-        after_secret = canonical_flag(name) == secret_flag
-        if value is not None and not after_secret:  # a key is passed as written, never echoed
+        after_secret = is_secret_flag(name)
+        if value is not None and not after_secret:  # a secret is passed as written, never echoed
             try:
                 value, parsed = _normalise_value(name, value)
             except ValueError as exc:
