@@ -12,7 +12,7 @@ machine's cores allow (bench/cpu.py), and per deploy the server's requests and C
 Target: the four-at-once wall time <= 2x the single deploy's, or within 10 % of the CPU bound.
 Needs root.
 
-    .venv/bin/python bench/concurrent.py [--rounds 2] [--databases sqlite,postgresql]
+    .venv/bin/python bench/concurrent_deploys.py [--rounds 2] [--databases sqlite,postgresql]
 """
 
 from __future__ import annotations

@@ -15,8 +15,16 @@ download and the prefetch follow that redirect.
    DONTNEED per file; its ratio shows what the prefetch costs beyond what the disk costs.
    And "sha256 alone" hashes as many bytes in memory over the same number of threads: plain /
    that is the best ratio a prefetch that verifies every byte can reach on this host's cores.
+   And what the seeds' operators ran before, `hf download` (huggingface_hub's snapshot_download,
+   max_workers = --connections, 8 as `hf download` by default) into a fresh HF cache, then an
+   fsync of each file it wrote, so that its bytes too end durable on disk:
+   ratio = (snapshot_download + fsync) time / prefetch time, best of each.
 2. Warm re-run: bytes the hub served (target 0) and the time it took.
-3. A shard removed and the hub cutting its download mid-way: bytes fetched again vs the part
+3. The first prefetch into the last round's snapshot_download cache (dropped from the page cache
+   first), as a first deploy on a cluster the old launcher ran does: it adopts the files by
+   hashing each once (bytes hashed, seconds, hub bytes served: target 0); then a re-run, which
+   recognises them by their manifest.
+4. A shard removed and the hub cutting its download mid-way: bytes fetched again vs the part
    that was missing after the cut (target: ratio 1, the cut resumes at its exact byte).
 
     .venv/bin/python bench/prefetch.py [--gib 1.0] [--shards 8] [--connections 8]
@@ -40,15 +48,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-from huggingface_hub import HfApi
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The checkout's root first, so `bench`, `lab` and `sparkdeploy` import as packages.
 sys.path[:1] = [str(REPO_ROOT)]
+
+from huggingface_hub import HfApi, snapshot_download  # noqa: E402
+from huggingface_hub.utils import disable_progress_bars  # noqa: E402
 
 from bench.cpu import CpuUsage, measured  # noqa: E402
 from lab.hub import HubControl  # noqa: E402
 from lab.tinymodel import generate_repo  # noqa: E402
-from sparkdeploy.steps.prefetch import HubAccess, RepoSpec, prefetch  # noqa: E402
+from sparkdeploy.steps.prefetch import HubAccess, Progress, RepoSpec, prefetch  # noqa: E402
 from sparkdeploy.units import human_bytes  # noqa: E402
 
 REPO = "bench-org/big"
@@ -107,6 +117,49 @@ def plain_download(
             future.result()
 
 
+def snapshot_download_durable(url: str, cache_dir: Path, workers: int) -> None:
+    """`hf download REPO --cache-dir cache_dir`, then every file it wrote fsync'ed."""
+    snapshot_download(REPO, cache_dir=cache_dir, endpoint=url, token=False, max_workers=workers)
+    for path in regular_files(cache_dir):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def regular_files(top: Path) -> list[Path]:
+    """The files under top, not the snapshot's symlinks to them."""
+    return [
+        Path(directory) / name
+        for directory, _subdirs, names in os.walk(top)
+        for name in names
+        if (Path(directory) / name).is_file() and not (Path(directory) / name).is_symlink()
+    ]
+
+
+def drop_from_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class Messages:
+    """A PrefetchObserver that keeps the prefetch's messages (its log)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def on_progress(self, progress: Progress) -> None:
+        pass
+
+    def on_message(self, message: str) -> None:
+        self.lines.append(message)
+
+
 def sha256_alone(total: int, threads: int) -> CpuUsage:
     """What it costs to sha256 `total` bytes held in memory, split over `threads` threads."""
     block = os.urandom(READ_CHUNK)
@@ -142,6 +195,7 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    disable_progress_bars()  # snapshot_download's tqdm bars on stderr
 
     work = Path(tempfile.mkdtemp(prefix="bench-prefetch-"))
     try:
@@ -164,6 +218,7 @@ def main() -> int:
             plain: list[CpuUsage] = []
             durable: list[CpuUsage] = []
             prefetched: list[CpuUsage] = []
+            hf_downloads: list[CpuUsage] = []
             for round_no in range(args.rounds):
                 for is_durable, runs in ((False, plain), (True, durable)):
                     dest = work / f"plain-{round_no}"
@@ -174,6 +229,13 @@ def main() -> int:
                     runs.append(usage)
                     shutil.rmtree(dest)
 
+                hf_cache = work / f"hf-cache-{round_no}"
+                with measured() as usage:
+                    snapshot_download_durable(hub.url, hf_cache, args.connections)
+                hf_downloads.append(usage)
+                if round_no < args.rounds - 1:
+                    shutil.rmtree(hf_cache)
+
                 nas = work / f"nas-{round_no}"
                 nas.mkdir()
                 with measured() as usage:
@@ -182,8 +244,9 @@ def main() -> int:
                 assert outcome.fetched_bytes == total
                 if round_no < args.rounds - 1:
                     shutil.rmtree(nas)
-            best_plain, best_durable, best_prefetch = (
-                min(runs, key=lambda usage: usage.wall_s) for runs in (plain, durable, prefetched)
+            best_plain, best_durable, best_hf, best_prefetch = (
+                min(runs, key=lambda usage: usage.wall_s)
+                for runs in (plain, durable, hf_downloads, prefetched)
             )
             hashing = min(
                 (sha256_alone(total, args.connections) for _ in range(args.rounds)),
@@ -197,6 +260,7 @@ def main() -> int:
             for label, usage in (
                 ("plain", best_plain),
                 ("plain durable", best_durable),
+                (f"snapshot_download (max_workers={args.connections}) + fsync", best_hf),
                 ("prefetch (hashed, durable, out of page cache)", best_prefetch),
             ):
                 print(
@@ -207,6 +271,10 @@ def main() -> int:
                 f"cold ratio plain/prefetch = {best_plain.wall_s / best_prefetch.wall_s:.2f}"
                 f" (target >= 0.80); plain durable/prefetch ="
                 f" {best_durable.wall_s / best_prefetch.wall_s:.2f}\n"
+                f"cold ratio (snapshot_download + fsync)/prefetch ="
+                f" {best_hf.wall_s / best_prefetch.wall_s:.2f} (all rounds, s: snapshot_download"
+                f" + fsync {', '.join(f'{usage.wall_s:.2f}' for usage in hf_downloads)};"
+                f" prefetch {', '.join(f'{usage.wall_s:.2f}' for usage in prefetched)})\n"
                 f"sha256 of {human_bytes(total)} alone: {hashing.wall_s:.2f} s, CPU"
                 f" {hashing.busy_s:.2f} s; on this host no verifying, durable prefetch beats"
                 f" {floor_s:.2f} s, so plain/prefetch <= {best_plain.wall_s / floor_s:.2f}"
@@ -224,6 +292,26 @@ def main() -> int:
             print(
                 f"warm: hub served {served} bytes (target 0), "
                 f"{requests} request(s), {warm_s * 1000:.0f} ms"
+            )
+
+            adopted_files = regular_files(hf_cache)
+            drop_from_cache(adopted_files)
+            log = Messages()
+            hub.reset_stats()
+            with measured() as usage:
+                [adopted] = prefetch([RepoSpec(REPO)], hf_cache, access, observer=log)
+            served = hub.stats()["bytes_served"]
+            assert adopted.fetched_bytes == 0, adopted
+            started = time.perf_counter()
+            prefetch([RepoSpec(REPO)], hf_cache, access)
+            recognised_s = time.perf_counter() - started
+            [hashed_line] = [line for line in log.lines if ": hashed " in line]
+            print(
+                f"first adoption of the snapshot_download cache (cold): {usage.wall_s:.2f} s for"
+                f" {human_bytes(adopted.total_bytes)} hashed ({adopted.total_bytes} bytes,"
+                f" {human_bytes(adopted.total_bytes / usage.wall_s)}/s), CPU {usage.busy_s:.2f} s;"
+                f" hub served {served} bytes (target 0); then recognised in"
+                f" {recognised_s * 1000:.1f} ms\nits log: {hashed_line}"
             )
 
             shard = max(warm.files, key=lambda f: f.size)
