@@ -180,6 +180,8 @@ def deploy(
             plan.hub_endpoint,
             allow_http_token=plan.hub_allow_http_token,
             update_revisions=update_revisions,
+            include=plan.prefetch_include,
+            exclude=plan.prefetch_exclude,
         )
     )
     fitted = (

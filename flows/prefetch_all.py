@@ -27,11 +27,16 @@ def prefetch_all(
     lab's models). An unpinned repo stays at the commit the NAS holds (update_revisions moves
     it to the hub's); rehash hashes every file of the NAS cache again."""
     inventory = load_cluster(find_cluster(cluster))
-    return prefetch_repos(
-        repos_of_deployable_recipes(recipes),
-        inventory.nas.hf_cache,
-        inventory.hub.endpoint,
-        allow_http_token=inventory.hub.allow_http_token,
-        update_revisions=update_revisions,
-        rehash=rehash,
-    )
+    outcomes: list[RepoOutcome] = []
+    for (include, exclude), repos in repos_of_deployable_recipes(recipes).items():
+        outcomes += prefetch_repos(
+            repos,
+            inventory.nas.hf_cache,
+            inventory.hub.endpoint,
+            allow_http_token=inventory.hub.allow_http_token,
+            update_revisions=update_revisions,
+            rehash=rehash,
+            include=include,
+            exclude=exclude,
+        )
+    return outcomes

@@ -30,6 +30,7 @@ from sparkdeploy.steps.prefetch import (
     RepoOutcome,
     prefetch,
 )
+from sparkdeploy.steps.prefetch.selection import FileSelection
 from sparkdeploy.units import human_bytes
 from tasks.artifacts import publish_table
 from tasks.common import retry_only
@@ -133,10 +134,13 @@ def prefetch_repos(
     allow_http_token: bool = False,
     update_revisions: bool = False,
     rehash: bool = False,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
 ) -> list[RepoOutcome]:
     """Put every repo (at its pinned revision, if any; an unpinned one at the commit the NAS
     holds, unless update_revisions) into the NAS HF cache on the flow host; rehash: hash every
-    file again."""
+    file again. Only the files an engine reads, plus `include` and less `exclude` (the recipe's
+    [prefetch] patterns), are fetched."""
     logger = get_run_logger()
     token, token_source = load_hub_token()
     hub = HubAccess(
@@ -160,6 +164,7 @@ def prefetch_repos(
         observer=PrefectReporter(logger),
         update_revisions=update_revisions,
         rehash=rehash,
+        selection=FileSelection(tuple(include), tuple(exclude)),
     )
     fetched = sum(o.fetched_bytes for o in outcomes)
     publish_table(

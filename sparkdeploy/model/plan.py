@@ -199,6 +199,9 @@ class Plan(_Data):
     runs_dir: str
     hub_endpoint: str | None  # None: HF_ENDPOINT, else the public hub
     hub_allow_http_token: bool  # the inventory's [hub].allow_http_token
+    # The recipe's [prefetch] patterns: repo paths beyond / out of what an engine reads.
+    prefetch_include: list[str]
+    prefetch_exclude: list[str]
     docker_image: str
     docker_image_dir: str | None  # built from images/<dir> when set, else pulled
     registry: str | None  # where built images travel from the builder to the other nodes
@@ -589,6 +592,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
         runs_dir=cluster.nas.runs_dir,
         hub_endpoint=cluster.hub.endpoint,
         hub_allow_http_token=cluster.hub.allow_http_token,
+        prefetch_include=recipe.prefetch.include,
+        prefetch_exclude=recipe.prefetch.exclude,
         docker_image=recipe.docker_image,
         docker_image_dir=recipe.docker_image_dir,
         registry=cluster.docker.registry,

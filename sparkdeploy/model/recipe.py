@@ -118,6 +118,14 @@ class ComposedModel(_Strict):
     local_files: list[ComposedLocalFile] = Field(default_factory=list)
 
 
+class PrefetchFiles(_Strict):
+    """Paths of the recipe's repos the prefetch takes beyond (include) or out of (exclude) what
+    an engine reads (sparkdeploy.steps.prefetch.selection); fnmatch patterns on repo paths."""
+
+    include: list[str] = Field(default_factory=list)
+    exclude: list[str] = Field(default_factory=list)
+
+
 class ExtraMount(_Strict):
     host: str
     container: str
@@ -151,6 +159,7 @@ class Recipe(_Strict):
     boot_markers: list[MarkerSpec] = Field(default_factory=list)  # empty: vLLM's own markers
     failure_markers: list[MarkerSpec] = Field(default_factory=list)
     smoke: SmokeOptions = Field(default_factory=SmokeOptions)
+    prefetch: PrefetchFiles = Field(default_factory=PrefetchFiles)
 
     _recipe_id: str = PrivateAttr(default="recipe")
     _header_blocked_reason: str | None = PrivateAttr(default=None)

@@ -26,6 +26,7 @@ from sparkdeploy.errors import PrefetchError
 from sparkdeploy.remote.hf_tree_cache import TreeFile, write_commit_files
 from sparkdeploy.steps.prefetch.hub import HubFile, RepoLike, Verification
 from sparkdeploy.steps.prefetch.names import is_commit_sha
+from sparkdeploy.steps.prefetch.selection import ENGINE_SELECTION, FileSelection
 from sparkdeploy.units import human_bytes
 
 MANIFEST_DIRNAME = ".sparkdeploy"
@@ -71,9 +72,12 @@ def manifest_path(cache_dir: Path, repo: str, sha: str) -> Path:
     return storage_dir(cache_dir, repo) / MANIFEST_DIRNAME / f"{sha}.json"
 
 
-def complete_outcome(cache_dir: Path, ref: RepoLike, sha: str) -> RepoOutcome | None:
-    """The repo's outcome if its manifest exists and every file still has the recorded identity."""
-    entries = _read_manifest(cache_dir, ref.repo, sha)
+def complete_outcome(
+    cache_dir: Path, ref: RepoLike, sha: str, selection: FileSelection = ENGINE_SELECTION
+) -> RepoOutcome | None:
+    """The repo's outcome if its manifest, written for the same selection of files, exists and
+    every file still has the recorded identity."""
+    entries = _read_manifest(cache_dir, ref.repo, sha, selection)
     if entries is None:
         return None
     snapshot = storage_dir(cache_dir, ref.repo) / "snapshots" / sha
@@ -96,12 +100,18 @@ def still_verified(cache_dir: Path, repo: str, sha: str) -> dict[str, dict[str, 
     }
 
 
-def _read_manifest(cache_dir: Path, repo: str, sha: str) -> dict[str, dict[str, Any]] | None:
+def _read_manifest(
+    cache_dir: Path, repo: str, sha: str, selection: FileSelection | None = None
+) -> dict[str, dict[str, Any]] | None:
+    """The manifest's entries by path (None: no manifest of this version, or, when `selection`
+    is given, one written for another selection of files)."""
     try:
         data = json.loads(manifest_path(cache_dir, repo, sha).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     if data.get("version") != MANIFEST_VERSION or data.get("sha") != sha:
+        return None
+    if selection is not None and data.get("selection") != selection.as_json():
         return None
     return {entry["path"]: entry for entry in data["files"]}
 
@@ -131,9 +141,21 @@ def manifest_entry(pointer: Path, f: HubFile) -> dict[str, Any]:
     }
 
 
-def write_manifest(cache_dir: Path, repo: str, sha: str, entries: list[dict[str, Any]]) -> None:
+def write_manifest(
+    cache_dir: Path,
+    repo: str,
+    sha: str,
+    entries: list[dict[str, Any]],
+    selection: FileSelection = ENGINE_SELECTION,
+) -> None:
     path = manifest_path(cache_dir, repo, sha)
-    payload = {"version": MANIFEST_VERSION, "repo": repo, "sha": sha, "files": entries}
+    payload = {
+        "version": MANIFEST_VERSION,
+        "repo": repo,
+        "sha": sha,
+        "selection": selection.as_json(),
+        "files": entries,
+    }
     _atomic_write(path, json.dumps(payload, indent=1, sort_keys=True))
 
 

@@ -39,6 +39,7 @@ from sparkdeploy.steps.prefetch.lock import repo_lock
 from sparkdeploy.steps.prefetch.names import check_revision_name, is_commit_sha
 from sparkdeploy.steps.prefetch.progress import Meter, PrefetchObserver, SilentObserver
 from sparkdeploy.steps.prefetch.revision import hub_api, revision_files
+from sparkdeploy.steps.prefetch.selection import ENGINE_SELECTION, FileSelection
 from sparkdeploy.steps.prefetch.verify import check_files
 from sparkdeploy.units import human_bytes
 
@@ -63,6 +64,7 @@ def prefetch(
     progress_interval_s: float = 1.0,
     update_revisions: bool = False,
     rehash: bool = False,
+    selection: FileSelection = ENGINE_SELECTION,
 ) -> list[RepoOutcome]:
     """Make every repo complete in the HF cache at `cache_dir`; returns what each one holds.
 
@@ -73,8 +75,9 @@ def prefetch(
     A repo whose manifest matches the disk costs no hub call; a cache another client filled
     (`hf download`, snapshot_download) is adopted by hashing each file once, fetching only what
     is missing or wrong. `rehash` hashes every file again, whatever the manifest says.
-    Raises TransientPrefetchError for failures worth retrying and PrefetchError for everything
-    the operator must fix.
+    Only the files `selection` takes are fetched (selection.py: by default what an engine
+    reads). Raises TransientPrefetchError for failures worth retrying and PrefetchError for
+    everything the operator must fix.
     """
     observer = observer or SilentObserver()
     if not cache_dir.is_dir():
@@ -101,13 +104,13 @@ def prefetch(
                 " update_revisions=true for the branch's newer commit)"
             )
         else:
-            sha, files = revision_files(api, ref, hub, observer)
+            sha, files = revision_files(api, ref, hub, observer, selection=selection)
             if held is not None and held != sha:
                 observer.on_message(
                     f"{ref.repo}@{ref.revision or 'main'} moved from {held[:12]} to {sha[:12]}"
                     " on the hub: fetching the new commit (update_revisions)"
                 )
-        complete = None if rehash else complete_outcome(cache_dir, ref, sha)
+        complete = None if rehash else complete_outcome(cache_dir, ref, sha, selection)
         if complete is not None:
             write_ref(cache_dir, ref, sha)
             outcomes[(ref.repo, ref.revision)] = complete
@@ -117,13 +120,17 @@ def prefetch(
             )
             continue
         if files is None:
-            _, files = revision_files(api, RepoSpec(ref.repo, sha), hub, observer)
+            _, files = revision_files(
+                api, RepoSpec(ref.repo, sha), hub, observer, selection=selection
+            )
         pending.append(_Pending(ref, sha, files, missing_bytes(cache_dir, ref.repo, sha, files)))
 
     check_free_space(cache_dir, {p.ref.repo: p.missing_bytes for p in pending})
     meter = Meter(sum(p.missing_bytes for p in pending), observer, progress_interval_s)
     for item in pending:
-        outcome = _complete_repo(cache_dir, item, hub, observer, meter, lock_wait_s, rehash)
+        outcome = _complete_repo(
+            cache_dir, item, hub, observer, meter, lock_wait_s, rehash, selection
+        )
         outcomes[(item.ref.repo, item.ref.revision)] = outcome
     return [outcomes[(ref.repo, ref.revision)] for ref in _unique(repos)]
 
@@ -143,6 +150,7 @@ def _complete_repo(
     meter: Meter,
     lock_wait_s: float,
     rehash: bool,
+    selection: FileSelection,
 ) -> RepoOutcome:
     ref, sha = item.ref, item.sha
     storage = storage_dir(cache_dir, ref.repo)
@@ -150,7 +158,7 @@ def _complete_repo(
     reserved = item.missing_bytes
     with repo_lock(storage, ref.repo, wait_s=lock_wait_s, observer=observer):
         # Another flow may have completed the repo while this one waited for the lock.
-        done_meanwhile = None if rehash else complete_outcome(cache_dir, ref, sha)
+        done_meanwhile = None if rehash else complete_outcome(cache_dir, ref, sha, selection)
         if done_meanwhile is not None:
             meter.retarget(-reserved)
             observer.on_message(f"{ref.repo}@{sha[:12]}: completed by another prefetch meanwhile")
@@ -182,7 +190,7 @@ def _complete_repo(
                 "the sha256/git oid in its tree listing: the hub's copy is corrupt; re-upload it"
             )
         meter.retarget(-reserved)
-        write_manifest(cache_dir, ref.repo, sha, [verified[f.path] for f in item.files])
+        write_manifest(cache_dir, ref.repo, sha, [verified[f.path] for f in item.files], selection)
         write_tree_cache(storage, sha, item.files)
         write_ref(cache_dir, ref, sha)
     files = tuple(

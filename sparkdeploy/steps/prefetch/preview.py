@@ -50,6 +50,7 @@ from sparkdeploy.steps.prefetch.lock import LOCK_FILENAME
 from sparkdeploy.steps.prefetch.names import check_revision_name, is_commit_sha
 from sparkdeploy.steps.prefetch.progress import SilentObserver
 from sparkdeploy.steps.prefetch.revision import hub_api, revision_files
+from sparkdeploy.steps.prefetch.selection import ENGINE_SELECTION, FileSelection
 from sparkdeploy.units import human_bytes
 
 RepoAction = Literal["complete", "adopt", "download", "unknown", "refuse"]
@@ -77,9 +78,10 @@ def preview_repos(
     hub: HubAccess,
     *,
     update_revisions: bool = False,
+    selection: FileSelection = ENGINE_SELECTION,
 ) -> list[RepoPreview]:
-    """What prefetch(repos, cache_dir, hub, update_revisions=...) would do to each repo now, in
-    its order; reads only (module docstring)."""
+    """What prefetch(repos, cache_dir, hub, update_revisions=..., selection=...) would do to
+    each repo now, in its order; reads only (module docstring)."""
     unique: dict[tuple[str, str | None], RepoLike] = {}
     for ref in repos:
         unique.setdefault((ref.repo, ref.revision), ref)
@@ -101,13 +103,19 @@ def preview_repos(
     )
     api = hub_api(quick)
     previews = [
-        _preview_repo(api, ref, cache_dir, quick, update_revisions) for ref in unique.values()
+        _preview_repo(api, ref, cache_dir, quick, update_revisions, selection)
+        for ref in unique.values()
     ]
     return _with_space_check(previews, cache_dir)
 
 
 def _preview_repo(
-    api: HfApi, ref: RepoLike, cache_dir: Path, hub: HubAccess, update_revisions: bool
+    api: HfApi,
+    ref: RepoLike,
+    cache_dir: Path,
+    hub: HubAccess,
+    update_revisions: bool,
+    selection: FileSelection,
 ) -> RepoPreview:
     try:
         check_revision_name(ref)
@@ -122,17 +130,17 @@ def _preview_repo(
     elif held is not None and not update_revisions:
         sha = held
         notes.append(f"{branch} at {held[:12]}, as the NAS holds it")
-        notes.append(_moved_note(api, ref, hub, cache_dir, held))
+        notes.append(_moved_note(api, ref, hub, cache_dir, held, selection))
     else:
         try:
-            sha, files = revision_files(api, ref, hub, SilentObserver())
+            sha, files = revision_files(api, ref, hub, SilentObserver(), selection=selection)
         except TransientPrefetchError as error:
             return _unknown(ref, f"the hub did not answer for {branch}: {error}")
         except PrefetchError as error:
             return _refused(ref, None, str(error))
         if held is not None and held != sha:
             notes.append(f"{branch} moved from {held[:12]} to {sha[:12]}: the new commit is taken")
-    complete = complete_outcome(cache_dir, ref, sha)
+    complete = complete_outcome(cache_dir, ref, sha, selection)
     if complete is not None:
         notes.insert(0, f"complete ({len(complete.files)} files, 0 B to fetch)")
         return RepoPreview(
@@ -140,7 +148,9 @@ def _preview_repo(
         )
     if files is None:
         try:
-            _, files = revision_files(api, RepoSpec(ref.repo, sha), hub, SilentObserver())
+            _, files = revision_files(
+                api, RepoSpec(ref.repo, sha), hub, SilentObserver(), selection=selection
+            )
         except TransientPrefetchError as error:
             return _unknown(
                 ref, f"not complete in the NAS, and the hub did not answer: {error}", sha
@@ -199,11 +209,18 @@ def _pending(
     )
 
 
-def _moved_note(api: HfApi, ref: RepoLike, hub: HubAccess, cache_dir: Path, held: str) -> str:
+def _moved_note(
+    api: HfApi,
+    ref: RepoLike,
+    hub: HubAccess,
+    cache_dir: Path,
+    held: str,
+    selection: FileSelection,
+) -> str:
     """Whether the branch moved on the hub since the NAS took it (the hub is only read)."""
     branch = ref.revision or "main"
     try:
-        sha, files = revision_files(api, ref, hub, SilentObserver())
+        sha, files = revision_files(api, ref, hub, SilentObserver(), selection=selection)
     except PrefetchError as error:
         return f"whether {branch} moved on the hub is unknown ({error})"
     if sha == held:

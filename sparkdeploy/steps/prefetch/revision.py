@@ -14,6 +14,7 @@ from sparkdeploy.steps.prefetch.hub import HubAccess, HubFile, RepoLike
 from sparkdeploy.steps.prefetch.hub_errors import hub_errors
 from sparkdeploy.steps.prefetch.names import check_listing
 from sparkdeploy.steps.prefetch.progress import PrefetchObserver
+from sparkdeploy.steps.prefetch.selection import ENGINE_SELECTION, FileSelection
 
 
 def hub_api(hub: HubAccess) -> HfApi:
@@ -23,10 +24,15 @@ def hub_api(hub: HubAccess) -> HfApi:
 
 
 def revision_files(
-    api: HfApi, ref: RepoLike, hub: HubAccess, observer: PrefetchObserver
+    api: HfApi,
+    ref: RepoLike,
+    hub: HubAccess,
+    observer: PrefetchObserver,
+    *,
+    selection: FileSelection = ENGINE_SELECTION,
 ) -> tuple[str, list[HubFile]]:
-    """The revision's commit sha and its files, from one hub call (so the two agree); refused
-    when a name in it is no safe path (names.check_listing)."""
+    """The revision's commit sha and the files of it that `selection` takes, from one hub call
+    (so the two agree); refused when a name in it is no safe path (names.check_listing)."""
     info = _model_info(api, ref, hub, observer)
     not_a_hub = (
         f"the hub at {hub.endpoint} returned no commit sha or no file sizes and oids for "
@@ -41,7 +47,7 @@ def revision_files(
         lfs_sha256 = sibling.lfs.sha256 if sibling.lfs is not None else None
         files.append(HubFile(sibling.rfilename, sibling.size, sibling.blob_id, lfs_sha256))
     check_listing(ref, hub, info.sha, files)
-    return info.sha, files
+    return info.sha, selection.select(files)
 
 
 def _model_info(api: HfApi, ref: RepoLike, hub: HubAccess, observer: PrefetchObserver) -> ModelInfo:

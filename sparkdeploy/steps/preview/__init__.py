@@ -29,6 +29,7 @@ from sparkdeploy.model.plan import Plan
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.steps.prefetch import HubAccess
 from sparkdeploy.steps.prefetch.preview import RepoAction, RepoPreview, preview_repos
+from sparkdeploy.steps.prefetch.selection import FileSelection
 from sparkdeploy.steps.preview.model import (
     FLOW_HOST,
     STEPS,
@@ -64,7 +65,11 @@ def preview(
     rates = Rates.of(cluster)
     targets = plan_targets(plan)
     repos = preview_repos(
-        plan.repos, Path(plan.nas_hf_cache), hub, update_revisions=update_revisions
+        plan.repos,
+        Path(plan.nas_hf_cache),
+        hub,
+        update_revisions=update_revisions,
+        selection=FileSelection(tuple(plan.prefetch_include), tuple(plan.prefetch_exclude)),
     )
     prefetch = [_repo_row(repo, rates) for repo in repos]
     hold, held = hold_rows(plan, targets, replace=replace, lock_timeout_s=lock_timeout_s)
