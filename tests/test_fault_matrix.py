@@ -62,6 +62,7 @@ from lab.models import TINY_CHAT, TINY_DSV41, publish_lab_models
 from lab.prefect_local import (
     PROJECT_ROOT,
     deploy_run,
+    deployment_run,
     run_prefect,
     start_worker,
     stop_worker,
@@ -1489,7 +1490,14 @@ def test_a_redeploy_cancelled_during_its_prefetch_leaves_the_serving_copy_held_a
     }
     hub_faults(lab_cluster, fail_next=1, status=429, retry_after=240)
     try:
-        second = worker.submit("lab-single", cluster)
+        # update_revisions: the prefetch asks the hub for main (the NAS holds it complete, so a
+        # plain redeploy would not), and the hub's 429 holds it there for 240 s.
+        worker.running()
+        second = deployment_run(
+            worker.env,
+            "deploy/deploy",
+            {"recipe": "lab-single", "cluster": cluster, "update_revisions": True},
+        )
         wait_for(
             "the redeploy taking the holds over",
             lambda: all(

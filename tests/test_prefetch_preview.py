@@ -36,10 +36,13 @@ def _tree(root: Path) -> dict[str, tuple[int, int, str]]:
     return found
 
 
-def _preview(hub: HubServer, nas: Path, **options: bool) -> RepoPreview:
+def _preview(hub: HubServer, nas: Path, *, update_revisions: bool = False) -> RepoPreview:
     before = _tree(nas)
     [found] = preview_repos(
-        [RepoSpec(TINY)], nas, HubAccess(hub.url, allow_http_token=True), **options
+        [RepoSpec(TINY)],
+        nas,
+        HubAccess(hub.url, allow_http_token=True),
+        update_revisions=update_revisions,
     )
     assert _tree(nas) == before  # read-only: not a file, link, dir or mtime changed
     return found
