@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
+GIB = 1 << 30
+
 
 def human_bytes(n: float) -> str:
     """`512 B`, `1.5 KiB`, ...: the largest unit whose figure, as shown, is below 1024 (so a

@@ -16,10 +16,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from sparkdeploy.model.tomlfile import KeyPath
-from sparkdeploy.units import human_bytes
+from sparkdeploy.units import GIB, human_bytes
 from sparkdeploy.vllm.args import VllmArgs
 
-GIB = 1 << 30
 # vLLM's defaults (vllm-project/vllm vllm/config/cache.py, CacheConfig).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 DEFAULT_BLOCK_SIZE = 16

@@ -25,6 +25,7 @@ from sparkdeploy.model.local_files import Kind, local_file_kind
 from sparkdeploy.model.memory import EngineMemory, FitReport, NodeMemory, read_memory_flags
 from sparkdeploy.model.recipe import MarkerSpec, Recipe, RepoRef, SmokeOptions
 from sparkdeploy.secrecy import FLAG_ENV, Secret, keyed_digest
+from sparkdeploy.units import GIB
 from sparkdeploy.vllm.args import argv_has_flag
 from sparkdeploy.vllm.markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
 
@@ -47,7 +48,6 @@ __all__ = [
     "make_plan",
 ]
 
-GIB = 1 << 30
 MASTER_PORT = 29501  # vLLM's mp backend: workers reach the head's store here
 RAY_PORT = 6379
 LABEL_PREFIX = "sparkdeploy."

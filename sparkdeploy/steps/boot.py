@@ -48,8 +48,8 @@ from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.secrecy import redact
 from sparkdeploy.steps.teardown import RemovedContainer, remove_labelled
+from sparkdeploy.units import GIB
 
-GIB = 1024**3
 RUN_TIMEOUT_S = 120.0
 STALE_STOP_TIMEOUT_S = 10
 # Runs the serve argv with its output on the container's own stdout/stderr (the log the gate

@@ -45,13 +45,13 @@ from sparkdeploy.remote.docker_cli import (
     stderr_text,
 )
 from sparkdeploy.remote.ssh import CommandResult, SshTarget, cached_connection
+from sparkdeploy.units import GIB
 
 CONTEXT_LABEL = "sparkdeploy.context-sha256"
 PULL_TIMEOUT_S = 3600.0
 BUILD_TIMEOUT_S = 7200.0
 LOAD_TIMEOUT_S = 3600.0
 HEARTBEAT_S = 15.0
-GIB = 1024**3
 # Room beyond the image itself (layers are stored unpacked next to the pull's temporary files).
 FREE_MARGIN_BYTES = 2 * GIB
 # Needed free when no node holds the image yet, so its size is unknown.
