@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,30 @@ def test_fully_materialised_correct_copy_is_adopted_with_a_note(nas: Nas, tmp_pa
     manifest = json.loads(Path(f"{dest}.manifest.json").read_text())
     assert manifest["note"] == result.note
     assert stage(nas, dest, [0]).note == result.note  # the skipped re-run still says so
+
+
+def test_adoption_leaves_neither_file_in_the_page_cache(nas: Nas, tmp_path: Path) -> None:
+    """The compare reads with readahead (past the ranges' ends too) and drops what it read:
+    nothing of the source or DEST stays cached, chunk boundaries and partial pages included."""
+    dest = tmp_path / "node" / nas.filename
+    hand_made_copy(nas, dest, [1])
+    source = (nas.snapshot / nas.filename).resolve()
+    for path in (source, dest):
+        # Clean pages: DONTNEED drops no dirty ones. Both are cached, as just written.
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    assert resident_bytes(source) > 0 and resident_bytes(dest) > 0
+    assert stage(nas, dest, [1]).status == "adopted"
+    assert (resident_bytes(source), resident_bytes(dest)) == (0, 0)
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of `path` in the page cache (util-linux fincore)."""
+    argv = ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)]
+    return int(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout)
 
 
 def test_links_in_this_deployments_composed_dir_do_not_block_a_new_copy(

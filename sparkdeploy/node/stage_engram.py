@@ -30,11 +30,13 @@ only then is DEST.partial renamed to DEST and DEST.manifest.json written.
 A DEST already there without a manifest matching the plan (a copy made by hand or by the old
 launcher, which other lanes may hard-link, or one of ours for another source revision) is
 checked against the source while the shards are checked, before anything is written: its size,
-its header bytes, then every byte of the ranges, both files read in chunks (two reads in flight,
-each dropped from the page cache) and compared, the first difference ending the compare. One
-that matches is ADOPTED: the manifest a copy would get is written beside it (with the same
-range sha256s, computed from the source bytes the compare read) and the file is not touched (no
-truncate, no rename, same inode and mtime; a leftover DEST.partial and its journal are removed).
+its header bytes, then every byte of the ranges, both files read in chunks with readahead (each
+chunk dropped from the page cache once read, what readahead brought in past the ranges once the
+compare is done) and compared while another thread hashes the source's bytes, the first
+difference ending the compare. One that matches is ADOPTED: the manifest a copy would get is
+written beside it (with the same range sha256s, computed from the source bytes the compare
+read) and the file is not touched (no truncate, no rename, same inode and mtime; a leftover
+DEST.partial and its journal are removed).
 A full compare costs one read of the share from the NAS, as a copy does, plus one read of it
 from the local disk, but no writes, no second copy's space, and the other lanes' links stay on
 the file; there is no sampled compare: a sample cannot give the range sha256s the manifest
@@ -68,6 +70,7 @@ import stat as stat_mode
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,6 +94,9 @@ DEFAULT_CHUNK_BYTES = 16 * MIB
 # Chunk buffers passed from the reader to the writer to the hasher and back; the writer has one
 # more for reading back.
 CHUNK_BUFFERS = 5
+# Chunk buffer pairs (source, DEST) of an adoption's compare: one is read into while the other is
+# compared and hashed.
+COMPARE_PAIRS = 2
 # Written bytes between two fdatasyncs (each a journal entry); they stay dirty in the page cache
 # until then. Measured on one disk with the source: one batch of writes per sync beats starting
 # each chunk's writeback as it is written (reads and writes interleave less). Syncing rarely
@@ -363,11 +369,12 @@ def adopt(plan: CopyPlan, progress: Progress) -> dict[str, Any] | None:
         before = os.stat(dest)
     except FileNotFoundError:
         return None
-    with open(plan.source, "rb") as source, open(dest, "rb") as existing:
+    with (
+        open(plan.source, "rb") as source,
+        open(dest, "rb") as existing,
+        _read_ahead_then_drop(source.fileno(), existing.fileno()),
+    ):
         src_fd, dst_fd = source.fileno(), existing.fileno()
-        # No readahead past the ranges' ends; each chunk is dropped from the cache once read.
-        os.posix_fadvise(src_fd, 0, 0, os.POSIX_FADV_RANDOM)
-        os.posix_fadvise(dst_fd, 0, 0, os.POSIX_FADV_RANDOM)
         mismatch: str | None
         range_sums: list[str] = []
         held: int | None = None
@@ -474,59 +481,112 @@ def _same_inode_under(top: str, stat: os.stat_result) -> list[str]:
     return sorted(found)
 
 
+@contextlib.contextmanager
+def _read_ahead_then_drop(*fds: int) -> Iterator[None]:
+    """Sequential readahead on these files while inside; none of their pages cached after.
+
+    Read without readahead (POSIX_FADV_RANDOM), the compare took three times the kernel CPU
+    (the page cache filled page by page, not in large folios) and twice the time. Readahead
+    brings in bytes past a range's end that no chunk's DONTNEED covers; the whole files are
+    dropped at the end for them (as plan_copy drops the source after reading its header).
+    """
+    for fd in fds:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    try:
+        yield
+    finally:
+        for fd in fds:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def _compare(
     plan: CopyPlan, src_fd: int, dst_fd: int, progress: Progress
 ) -> tuple[str | None, list[str]]:
     """Every byte of the ranges in DEST against the source, stopping at the first difference.
 
     Returns (where DEST first differs, None when it does not; the source's sha256 per range).
-    Two reads in flight (source and DEST, the next chunk's while this one is compared and
-    hashed); the buffers alternate between two pairs, so memory stays at four chunks.
+    Each chunk's source and DEST bytes are read into one of COMPARE_PAIRS buffer pairs by two
+    reader threads, compared here, and the source's bytes hashed by a hasher thread (hashlib
+    releases the GIL: sha256, most of the compare's CPU, runs on another core while the next
+    chunk is read and compared); a pair is read into again once its hash is done, so memory
+    stays at 2 x COMPARE_PAIRS chunks.
     """
     dest = plan.request.dest
     chunk_bytes = plan.request.chunk_bytes
     hashes = [hashlib.sha256() for _ in plan.ranges]
-    pairs = [(bytearray(chunk_bytes), bytearray(chunk_bytes)) for _ in range(2)]
     total = plan.copy_bytes
     last_report = 0.0
+    # (source buffer, DEST buffer, the hash of its last chunk: the source buffer is free once
+    # it is done), in the order they are read into.
+    free: deque[tuple[bytearray, bytearray, Future[None] | None]] = deque(
+        (bytearray(chunk_bytes), bytearray(chunk_bytes), None) for _ in range(COMPARE_PAIRS)
+    )
+    # (chunk, its pair's buffers, their reads), in chunk order.
+    reading: deque[tuple[Chunk, bytearray, bytearray, Future[memoryview], Future[memoryview]]] = (
+        deque()
+    )
+    chunks = iter_chunks(plan.ranges, chunk_bytes, 0)
+    previous: Chunk | None = None
 
-    def read(fd: int, path: str, buffer: bytearray, chunk: Chunk) -> memoryview:
+    def read(fd: int, path: str, buffer: bytearray, chunk: Chunk, drop_from: int) -> memoryview:
         data = memoryview(buffer)[: chunk.length]
         _pread_exact(fd, data, chunk.offset, path)
-        os.posix_fadvise(fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
+        # From the previous chunk's start: DONTNEED keeps a folio partly outside what it is
+        # given, so a readahead folio straddling two chunks goes once both are read.
+        end = chunk.offset + chunk.length
+        os.posix_fadvise(fd, drop_from, end - drop_from, os.POSIX_FADV_DONTNEED)
         return data
 
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="staging-compare") as pool:
+    with (
+        ThreadPoolExecutor(max_workers=2, thread_name_prefix="staging-compare-read") as readers,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="staging-compare-hash") as hasher,
+    ):
 
-        def submit(chunk: Chunk, turn: int) -> tuple[Future[memoryview], Future[memoryview]]:
-            source_buffer, dest_buffer = pairs[turn % 2]
-            return (
-                pool.submit(read, src_fd, plan.source, source_buffer, chunk),
-                pool.submit(read, dst_fd, dest, dest_buffer, chunk),
+        def read_next() -> None:
+            nonlocal previous
+            chunk = next(chunks, None)
+            if chunk is None:
+                return
+            source_buffer, dest_buffer, hashed = free.popleft()
+            if hashed is not None:
+                hashed.result()
+            same_range = previous is not None and previous.range_index == chunk.range_index
+            drop_from = previous.offset if previous and same_range else chunk.offset
+            previous = chunk
+            reading.append(
+                (
+                    chunk,
+                    source_buffer,
+                    dest_buffer,
+                    readers.submit(read, src_fd, plan.source, source_buffer, chunk, drop_from),
+                    readers.submit(read, dst_fd, dest, dest_buffer, chunk, drop_from),
+                )
             )
 
-        chunks = iter_chunks(plan.ranges, chunk_bytes, 0)
-        chunk = next(chunks, None)
-        reads = submit(chunk, 0) if chunk is not None else None
-        turn = 0
-        while chunk is not None and reads is not None:
-            following = next(chunks, None)
-            next_reads = submit(following, turn + 1) if following is not None else None
-            source_bytes, dest_bytes = reads[0].result(), reads[1].result()
+        for _ in range(COMPARE_PAIRS):
+            read_next()
+        while reading:
+            chunk, source_buffer, dest_buffer, source_read, dest_read = reading.popleft()
+            source_bytes, dest_bytes = source_read.result(), dest_read.result()
             # startswith compares with memcmp; == on memoryviews compares item by item.
-            if not pairs[turn % 2][1].startswith(source_bytes):
+            if not dest_buffer.startswith(source_bytes):
                 offset = chunk.offset + _first_difference(source_bytes, dest_bytes)
                 begin, end = plan.ranges[chunk.range_index]
                 return (
                     f"its byte {offset} (of range [{begin}, {end})) differs from the source's",
                     [],
                 )
-            hashes[chunk.range_index].update(source_bytes)
+            # One hasher thread: each range's chunks are hashed in order.
+            hashed = hasher.submit(hashes[chunk.range_index].update, source_bytes)
+            free.append((source_buffer, dest_buffer, hashed))
             now = time.monotonic()
             if now - last_report >= PROGRESS_INTERVAL_S:
                 progress(chunk.copied_through, total)
                 last_report = now
-            chunk, reads, turn = following, next_reads, turn + 1
+            read_next()
+        for _source_buffer, _dest_buffer, last_hash in free:
+            if last_hash is not None:
+                last_hash.result()
     progress(total, total)
     return None, [digest.hexdigest() for digest in hashes]
 
