@@ -1,11 +1,12 @@
 """Helpers of the flow tests on the lab: whether the lab can run here, the environment and the
 worker of a subprocess on the session's Prefect server, recipe variants written for one test,
-the check that a deployment left nothing behind (no container of ours, no node held), and where
-the fault matrix leaves its table of measured detection times for the end of the pytest
-output."""
+the check that a deployment left nothing behind (no container of ours, no node held), a deploy
+run compared step by step with the preview made before it, and where the fault matrix leaves
+its table of measured detection times for the end of the pytest output."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -21,11 +22,17 @@ import pytest
 from lab.cluster import REQUIRED_TOOLS
 from lab.prefect_local import register_deployments, start_worker, stop_worker
 from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.remote.docker_cli import list_containers
+from sparkdeploy.remote.ssh import cached_connection
+from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.status import cluster_status
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import State, TaskRun
+
+    from sparkdeploy.model.plan import Plan
+    from sparkdeploy.steps.preview import Preview
 
 
 def lab_unavailable_reason() -> str | None:
@@ -143,12 +150,13 @@ TASK_STATES_SETTLE_S = 60.0
 def settled_task_runs(
     flow_run_id: str | UUID, timeout_s: float = TASK_STATES_SETTLE_S
 ) -> list[TaskRun]:
-    """The task runs of an ended flow run once the server has all their final states.
+    """The task runs of an ended flow run once the server has written their last states.
 
     Prefect 3 sends task-run states as events that the server writes a little later, so a read
     right after the flow's end can miss a task run or find it still Running (CI once failed on
     a readiness gate's Failed attempt that was not there yet). Every test that reads task runs
-    reads them through this: it waits until each is final and two reads agree."""
+    reads them through this: it waits until none is still Running or Scheduled (a task run
+    whose upstream failed stays Pending, NotReady, for good) and two reads agree."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -159,17 +167,21 @@ def settled_task_runs(
         while True:
             runs = client.read_task_runs(flow_run_filter=of_run)
             now = sorted((run.id, run.state.type.value if run.state else None) for run in runs)
-            final = all(run.state is not None and run.state.is_final() for run in runs)
+            final = all(run.state is not None and _settled(run.state) for run in runs)
             if final and now == seen:
                 return runs
             if time.monotonic() >= deadline:
-                unsettled = [run.name for run in runs if not (run.state and run.state.is_final())]
+                unsettled = [run.name for run in runs if not (run.state and _settled(run.state))]
                 raise AssertionError(
                     f"the task runs of flow run {flow_run_id} did not settle within"
                     f" {timeout_s:.0f} s; not final: {unsettled}"
                 )
             seen = now
-            time.sleep(0.5)
+            time.sleep(1.0)
+
+
+def _settled(state: State) -> bool:
+    return bool(state.is_final() or state.is_pending())
 
 
 def task_history(flow_run_id: str) -> list[str]:
@@ -224,6 +236,89 @@ def answers_the_canary(endpoint: str) -> bool:
         },
     )
     return reply.status == 200 and "5461" in str(reply.json()["choices"][0]["message"]["content"])
+
+
+# A preview's words for what the image step then reports (sparkdeploy.steps.image.NodeImage).
+IMAGE_DONE = {"none": "present", "pull": "pulled", "build": "built", "ship": "distributed"}
+# ...and for what stage-engram then reports (sparkdeploy.node.stage_engram.StagingResult).
+ENGRAM_DONE = {"none": "skipped", "adopt": "adopted", "copy": "copied", "resume": "resumed"}
+
+
+def artifact_rows(flow_run_id: str | UUID, key: str) -> list[dict[str, object]]:
+    """The rows of the table artifact `key` that flow run made ([] when it made none)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(str(flow_run_id))]),
+            )
+        )
+    if not found:
+        return []
+    data = found[0].data
+    rows = json.loads(data) if isinstance(data, str) else data
+    assert isinstance(rows, list), rows
+    return rows
+
+
+def our_containers(plan: Plan) -> dict[str, str]:
+    """Container name -> id of our containers (any deployment's) on the plan's nodes."""
+    found = {}
+    for node, target in plan_targets(plan).items():
+        for container in list_containers(cached_connection(target), node, "sparkdeploy.deployment"):
+            found[container.name] = container.id
+    return found
+
+
+def deploy_matches_preview(
+    found: Preview, plan: Plan, flow_run_id: str | UUID, before: Mapping[str, str]
+) -> None:
+    """What the deploy run `flow_run_id` of `plan` did, compared step by step with what the
+    preview `found` made before it said: the bytes each repo fetched, each node's image and
+    Engram copies, the nodes it holds, and the containers it replaced (`before`: our
+    containers on its nodes before it, our_containers)."""
+    fetched: dict[str, int] = {}
+    for file in artifact_rows(flow_run_id, "prefetch-files"):
+        repo = str(file["repo"])
+        fetched[repo] = fetched.get(repo, 0) + (
+            int(str(file["bytes"])) if file["status"] == "fetched" else 0
+        )
+    for row in found.of_step("prefetch"):
+        repo = row.subject.split("@", 1)[0]
+        said = row.bytes if row.action == "download" else 0
+        assert fetched[repo] == said, (row, fetched)
+
+    image = {
+        str(r["node"]): r["action"]
+        for r in artifact_rows(flow_run_id, f"image-{plan.deployment_id}")
+    }
+    assert image == {row.node: IMAGE_DONE[row.action] for row in found.of_step("image")}
+
+    staged = artifact_rows(flow_run_id, f"stage-engram-{plan.deployment_id}")
+    assert {(str(r["node"]), str(r["file"])): r["status"] for r in staged} == {
+        (row.node, row.subject): ENGRAM_DONE[row.action] for row in found.of_step("stage-engram")
+    }
+
+    held = holders(plan.cluster, [node.node for node in plan.nodes])
+    for lock in found.of_step("hold-nodes"):
+        assert lock.action in ("take", "take over"), lock
+        holder = held[lock.node]
+        assert holder is not None and holder.deployment_id == plan.deployment_id
+        assert holder.flow_run_id == str(flow_run_id)
+
+    after = our_containers(plan)
+    removed = {row.subject for row in found.of_step("boot") if row.action == "remove"}
+    assert removed == set(before)  # the preview named every container boot replaced
+    for name in removed:
+        assert after.get(name) not in (None, before[name]), name  # started anew
+    assert set(after) == {node.container.name for node in plan.nodes}
 
 
 # (path of the table, the table) once tests/test_fault_matrix.py has measured its faults.

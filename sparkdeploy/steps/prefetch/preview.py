@@ -226,10 +226,30 @@ def _moved_note(
     if sha == held:
         return f"{branch} has not moved on the hub"
     more = missing_bytes(cache_dir, ref.repo, sha, files)
+    # As the prefetch would: a file whose blob another commit holds is linked, not downloaded.
+    storage = storage_dir(cache_dir, ref.repo)
+    snapshot = storage / "snapshots" / sha
+    linked, resumed = _on_disk_already(
+        storage / "blobs", [f for f in files if not _whole(snapshot / f.path, f.size)]
+    )
+    from_hub = more - linked - resumed
+    how = f"{human_bytes(more)} ({more} B) more"
+    if from_hub != more:
+        on_disk = [f"{human_bytes(linked)} in blobs another commit holds: linked"] if linked else []
+        on_disk += [f"{human_bytes(resumed)} in partial files: resumed"] if resumed else []
+        how += f", {human_bytes(from_hub)} ({from_hub} B) of it from the hub ({'; '.join(on_disk)})"
     return (
-        f"{branch} moved from {held[:12]} to {sha[:12]}: {human_bytes(more)} more (deploy with"
+        f"{branch} moved from {held[:12]} to {sha[:12]}: {how} (deploy with"
         " update_revisions=true to take it)"
     )
+
+
+def _whole(path: Path, size: int) -> bool:
+    """The snapshot holds the file at its size already (cache.missing_bytes's test)."""
+    try:
+        return path.stat().st_size == size
+    except FileNotFoundError:
+        return False
 
 
 def _on_disk_already(blobs: Path, files: Sequence[HubFile]) -> tuple[int, int]:
