@@ -207,12 +207,6 @@ def _plan_text(plan: Plan, fit_unchecked: str | None, root: Path) -> str:
             for stage in node.plain
         ]
         out.append(_docker_run_text(node))
-        if node.serve_exec:
-            out.append(
-                " \\\n    ".join(
-                    [f"docker exec {shlex.quote(node.container.name)}", *_grouped(node.serve_exec)]
-                )
-            )
     return "\n".join(out)
 
 

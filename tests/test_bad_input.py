@@ -53,6 +53,18 @@ max_tokens = 8
 
 Edit = tuple[str, str]  # (text found once in the good file, its replacement)
 
+# What a Ray recipe is told: mp is the supported backend, why, and how to write the recipe.
+RAY_REFUSAL = [
+    "mp is the supported backend",
+    "multi-node mp executor needs no Ray cluster",
+    "the lab and CI run it on real vLLM",
+    "the Ray path was never run",
+    "current platform cpu does not support ray",
+    'distributed_backend = "mp"',
+    '"--distributed-executor-backend", "mp"',
+    "drop any Ray-specific args and env",
+]
+
 # name: (edits, fragments; a list of fragments per problem when there are several)
 RECIPE_CASES: dict[str, tuple[list[Edit], list[list[str]]]] = {
     "key-typo": (
@@ -133,12 +145,35 @@ RECIPE_CASES: dict[str, tuple[list[Edit], list[list[str]]]] = {
         [[":10: --port 'http' is not a number"]],
     ),
     "backend-mismatch": (
-        [('"tiny",', '"tiny", "--distributed-executor-backend", "ray",')],
-        [[":10: --distributed-executor-backend ray contradicts", "make them agree"]],
+        [('"tiny",', '"tiny", "--distributed-executor-backend", "uni",')],
+        [[":10: --distributed-executor-backend uni contradicts", '"mp"', "make them agree"]],
     ),
     "unknown-backend": (
         [('distributed_backend = "mp"', 'distributed_backend = "nccl"')],
-        [[":7: distributed_backend:", "'mp' or 'ray'", "'nccl'"]],
+        [[":7: distributed_backend:", "should be 'mp'", "'nccl'"]],
+    ),
+    # Ray is refused (issue 25): the key, the flag (either spelling), and both at once.
+    "ray-backend": (
+        [('distributed_backend = "mp"', 'distributed_backend = "ray"')],
+        [[':7: distributed_backend: "ray" is refused', *RAY_REFUSAL]],
+    ),
+    "ray-executor-flag": (
+        [('"tiny",', '"tiny", "--distributed-executor-backend", "ray",')],
+        [[":10: --distributed-executor-backend ray is refused", *RAY_REFUSAL]],
+    ),
+    "ray-executor-flag-equals": (
+        [('"tiny",', '"tiny", "--distributed-executor-backend=ray",')],
+        [[":10: --distributed-executor-backend ray is refused", *RAY_REFUSAL]],
+    ),
+    "ray-backend-and-flag": (
+        [
+            ('distributed_backend = "mp"', 'distributed_backend = "ray"'),
+            ('"tiny",', '"tiny", "--distributed-executor-backend", "ray",'),
+        ],
+        [
+            [':7: distributed_backend: "ray" is refused', *RAY_REFUSAL],
+            [":10: --distributed-executor-backend ray is refused", *RAY_REFUSAL],
+        ],
     ),
     "unknown-engine": (
         [('engine = "vllm"', 'engine = "sglang"')],

@@ -112,24 +112,40 @@ def test_plan_json_and_node_choice_by_path() -> None:
     assert plan.blocked is not None
 
 
-def test_plan_shows_the_blocked_reason_and_ray_exec(tmp_path: Path) -> None:
+def test_plan_shows_the_blocked_reason(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "clusters", tmp_path / "clusters")
-    recipe_dir = tmp_path / "recipes" / "tiny-ray"
+    recipe_dir = tmp_path / "recipes" / "tiny"
     recipe_dir.mkdir(parents=True)
     (recipe_dir / "recipe.toml").write_text(
         'name = "tiny [BLOCKED]"\ndocker_image = "img"\nmodel = "lab/tiny"\nrequired_nodes = 2\n'
-        'tensor_parallel_size = 2\ndistributed_backend = "ray"\ndocker_image_dir = "not-here"\n'
+        'tensor_parallel_size = 2\ndocker_image_dir = "not-here"\n'
     )
     result = runner.invoke(
-        app, ["plan", "tiny-ray", "--cluster", "dgx-spark-4", "--root", str(tmp_path)]
+        app, ["plan", "tiny", "--cluster", "dgx-spark-4", "--root", str(tmp_path)]
     )
     assert result.exit_code == 0, result.output
     assert (
         "# BLOCKED (a deploy refuses to start): the recipe's name says [BLOCKED]" in result.stdout
     )
     assert "# WARNING: images/not-here is not here, so img cannot be built" in result.stdout
-    assert "docker exec sparkdeploy-tiny-ray-" in result.stdout
-    assert "    --distributed-executor-backend ray" in result.stdout
+    assert "    --distributed-executor-backend mp" in result.stdout
+    assert "docker exec" not in result.stdout
+
+
+def test_plan_refuses_a_ray_recipe_with_how_to_write_it_for_mp(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "clusters", tmp_path / "clusters")
+    recipe_dir = tmp_path / "recipes" / "tiny-ray"
+    recipe_dir.mkdir(parents=True)
+    (recipe_dir / "recipe.toml").write_text(
+        'name = "tiny"\ndocker_image = "img"\nmodel = "lab/tiny"\nrequired_nodes = 2\n'
+        'tensor_parallel_size = 2\ndistributed_backend = "ray"\n'
+    )
+    result = runner.invoke(
+        app, ["plan", "tiny-ray", "--cluster", "dgx-spark-4", "--root", str(tmp_path)]
+    )
+    assert result.exit_code != 0
+    assert 'recipe.toml:6: distributed_backend: "ray" is refused' in result.output
+    assert "mp is the supported backend" in result.output
 
 
 def test_plan_errors_name_what_to_fix() -> None:

@@ -66,7 +66,6 @@ def test_dsv41_rank_flags_per_node(dsv41_plan: Plan) -> None:
         assert ("--headless" in command) == (node.rank > 0)
         assert command.count("--distributed-executor-backend") == 1
         assert node.container.entrypoint == ["vllm", "serve"]
-        assert node.serve_exec is None
 
 
 def test_dsv41_env_per_node(dsv41_plan: Plan) -> None:
@@ -183,33 +182,6 @@ def small_recipe(tmp_path: Path, extra: str = "", **keys: str) -> Recipe:
     return load_recipe(path)
 
 
-def test_ray_backend_starts_ray_and_serves_on_the_head(tmp_path: Path, example: Cluster) -> None:
-    recipe = small_recipe(tmp_path, distributed_backend='"ray"', args='["--port", "8100"]')
-    head, worker = make_plan(recipe, example).nodes
-    assert head.container.entrypoint == ["ray"]
-    assert head.container.command == [
-        "start",
-        "--block",
-        "--head",
-        "--port",
-        "6379",
-        "--node-ip-address",
-        "192.168.100.11",
-    ]
-    assert worker.container.command == [
-        "start",
-        "--block",
-        "--address=192.168.100.11:6379",
-        "--node-ip-address",
-        "192.168.100.12",
-    ]
-    assert head.serve_exec is not None and worker.serve_exec is None
-    assert head.serve_exec[:3] == ["vllm", "serve", "lab/tiny"]
-    assert flag_value(head.serve_exec, "--distributed-executor-backend") == "ray"
-    assert "--nnodes" not in head.serve_exec
-    assert worker.container.env["VLLM_HOST_IP"] == "192.168.100.12"
-
-
 def test_single_node_mp_has_no_multinode_flags_and_pins_the_revision(
     tmp_path: Path, example: Cluster
 ) -> None:
@@ -288,17 +260,14 @@ def test_the_spec_label_changes_with_what_runs_not_with_how_the_node_is_reached(
     assert keyed[0] == keyed[1] != base
 
 
-@pytest.mark.parametrize("backend", ["mp", "ray"])
 def test_the_smoke_checks_the_head_flags_enable_are_the_plans(
-    tmp_path: Path, example: Cluster, backend: str
+    tmp_path: Path, example: Cluster
 ) -> None:
-    plain = make_plan(small_recipe(tmp_path, distributed_backend=f'"{backend}"'), example)
+    plain = make_plan(small_recipe(tmp_path), example)
     assert (plain.tool_calls_enabled, plain.reasoning_enabled) == (False, False)
     flags = (
         '["--enable_auto_tool_choice", "--tool-call-parser", "hermes", "--reasoning-parser=qwen3"]'
     )
-    flagged = make_plan(
-        small_recipe(tmp_path, distributed_backend=f'"{backend}"', args=flags), example
-    )
+    flagged = make_plan(small_recipe(tmp_path, args=flags), example)
     assert (flagged.tool_calls_enabled, flagged.reasoning_enabled) == (True, True)
     assert "lab/tiny" in flagged.head_serve_argv[:3]

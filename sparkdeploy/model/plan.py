@@ -49,7 +49,6 @@ __all__ = [
 ]
 
 MASTER_PORT = 29501  # vLLM's mp backend: workers reach the head's store here
-RAY_PORT = 6379
 LABEL_PREFIX = "sparkdeploy."
 # The digest of what a node runs (spec_digest): a running copy started from another version of
 # the recipe or inventory is told apart from one started from this plan.
@@ -176,7 +175,6 @@ class NodePlan(_Data):
     tp_ranks: list[int]
     memory: NodeMemory
     container: ContainerSpec
-    serve_exec: list[str] | None  # Ray: the `vllm serve` argv run in the head's container
     engram: list[EngramStage]
     plain: list[PlainStage] = Field(default_factory=list)
     composed: ComposedPlan | None
@@ -224,9 +222,9 @@ class Plan(_Data):
 
     @property
     def head_serve_argv(self) -> list[str]:
-        """The head's `vllm serve ...` argv: Ray's exec'd serve, else its container's command."""
+        """The head's `vllm serve ...` argv: its container's entrypoint and command."""
         head = self.head
-        return head.serve_exec or [*head.container.entrypoint, *head.container.command]
+        return [*head.container.entrypoint, *head.container.command]
 
     @property
     def tool_calls_enabled(self) -> bool:
@@ -259,7 +257,7 @@ def deployment_id(recipe_id: str, node_names: Sequence[str]) -> str:
 
 def spec_digest(node: NodePlan) -> str:
     """What the node runs, as a digest: its container (image reference, argv, env, mounts, run
-    options), the Ray serve argv, its Engram copies and composed sources with their revisions.
+    options), its Engram copies and composed sources with their revisions.
     How the node is reached (ssh) and the labels are left out; secret values are masked (their
     keyed digest is a label of its own: with_secrets_label)."""
     data = node.model_dump(mode="json", exclude={"ssh": True, "container": {"labels"}})
@@ -267,6 +265,9 @@ def spec_digest(node: NodePlan) -> str:
         # Left out when empty, so deployments without plain files keep the digest their running
         # containers carry from before plain files existed.
         del data["plain"]
+    # Ray's head-only serve argv was a field (None on every mp node) until Ray was removed; kept
+    # as it was, so the containers running keep the digest their labels carry.
+    data["serve_exec"] = None
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -398,22 +399,10 @@ def _mp_flags(rank: int, count: int, head: Node) -> list[str]:
     return [*flags, "--headless"] if rank else flags
 
 
-def _commands(
-    recipe: Recipe, rank: int, node: Node, selected: list[Node]
-) -> tuple[list[str], list[str], list[str] | None]:
-    """The container's entrypoint and command, and (Ray head only) the serve argv to exec."""
-    head = selected[0]
-    entrypoint = recipe.entrypoint or []
-    if recipe.distributed_backend == "mp":
-        return entrypoint, [*serve_argv(recipe), *_mp_flags(rank, len(selected), head)], None
-    command = ["start", "--block"]
-    if rank:
-        command.append(f"--address={head.fabric_ip}:{RAY_PORT}")
-    else:
-        command += ["--head", "--port", str(RAY_PORT)]
-    command += ["--node-ip-address", node.fabric_ip]
-    serve_exec = [*(entrypoint or ["vllm", "serve"]), *serve_argv(recipe)] if rank == 0 else None
-    return ["ray"], command, serve_exec
+def _commands(recipe: Recipe, rank: int, selected: list[Node]) -> tuple[list[str], list[str]]:
+    """The container's entrypoint and command: `vllm serve` on every node (the mp backend)."""
+    command = [*serve_argv(recipe), *_mp_flags(rank, len(selected), selected[0])]
+    return recipe.entrypoint or [], command
 
 
 def _engram_source(recipe: Recipe) -> RepoRef:
@@ -510,7 +499,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
         tp_ranks = sorted(
             {r % recipe.tensor_parallel_size for r in range(rank * per_node, (rank + 1) * per_node)}
         )
-        container_entrypoint, command, serve_exec = _commands(recipe, rank, node, selected)
+        container_entrypoint, command = _commands(recipe, rank, selected)
         env, secret_env = _node_env(recipe, cluster, node, hf_cache)
         container = ContainerSpec(
             name=f"sparkdeploy-{dep_id}-{node.name}",
@@ -558,7 +547,6 @@ def make_plan(recipe: Recipe, cluster: Cluster, nodes: Sequence[str] | None = No
                 tp_ranks=tp_ranks,
                 memory=_node_memory(node),
                 container=container,
-                serve_exec=serve_exec,
                 engram=engram,
                 plain=plain,
                 composed=ComposedPlan(

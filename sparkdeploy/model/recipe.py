@@ -58,6 +58,15 @@ _PLAN_ENV = {
     "NCCL_IB_GID_INDEX": "each node's gid_index",
     "HF_HUB_CACHE": "the plan (the composed mount or the NAS cache)",
 }
+# vLLM's CPU build leaves its platform's ray_device_key empty, so its Ray executor stops at start
+# (vllm/v1/executor/ray_utils.py: "current platform cpu does not support ray").
+RAY_REFUSAL = (
+    "mp is the supported backend. vLLM's multi-node mp executor needs no Ray cluster, and the "
+    "lab and CI run it on real vLLM; the Ray path was never run, and vLLM's CPU build cannot run "
+    'it ("current platform cpu does not support ray"). Write distributed_backend = "mp" (the '
+    'default) and, in args, "--distributed-executor-backend", "mp" (or no such flag: the plan '
+    "adds it), and drop any Ray-specific args and env (RAY_*)"
+)
 
 
 class _Strict(BaseModel):
@@ -147,7 +156,7 @@ class Recipe(_Strict):
     required_nodes: int = Field(ge=1)
     tensor_parallel_size: int = Field(default=1, ge=1)
     pipeline_parallel_size: int = Field(default=1, ge=1)
-    distributed_backend: Literal["mp", "ray"] = "mp"
+    distributed_backend: Literal["mp"] = "mp"  # "ray" is refused: RAY_REFUSAL
     shm_size: str | None = None
     entrypoint: list[str] | None = None
     args: list[str] = Field(default_factory=list)
@@ -172,6 +181,13 @@ class Recipe(_Strict):
         if repo is not None and not _REPO_ID.match(repo):
             raise ValueError(f"{repo!r} is not a Hugging Face repo id; write it as 'org/name'")
         return repo
+
+    @field_validator("distributed_backend", mode="before")
+    @classmethod
+    def _not_ray(cls, backend: object) -> object:
+        if backend == "ray":
+            raise ValueError(f'"ray" is refused: {RAY_REFUSAL}')
+        return backend
 
     @field_validator("shm_size")
     @classmethod
@@ -288,7 +304,12 @@ def _arg_problems(recipe: Recipe, where: Where, backend_known: bool) -> list[str
                 "remove it from args"
             )
     backend = args.find("--distributed-executor-backend")
-    if backend_known and backend is not None and backend.value != recipe.distributed_backend:
+    if backend is not None and backend.value == "ray":
+        problems.append(
+            f"{where(('args', backend.index))}: --distributed-executor-backend ray is refused: "
+            f"{RAY_REFUSAL}"
+        )
+    elif backend_known and backend is not None and backend.value != recipe.distributed_backend:
         problems.append(
             f"{where(('args', backend.index))}: --distributed-executor-backend {backend.value} "
             f'contradicts distributed_backend = "{recipe.distributed_backend}"; make them agree '

@@ -16,10 +16,9 @@
    are not of our form (sparkdeploy.model.labels) is reported and left alone; others' containers are
    never touched. Every node's problems are then reported together.
 3. "auto" HCAs / GID index resolved from the node's sysfs (unset, and logged, without RDMA).
-4. containers started, once every old one is gone: mp = the head and the workers (--headless)
-   all at once (a headless worker retries its connection to the head until the head listens);
-   Ray = the head, then the workers, then `vllm serve` exec'd in the head with its output on the
-   container's log, where the readiness gate reads it.
+4. containers started, once every old one is gone: the head and the workers (--headless) all
+   at once (vLLM's mp backend: a headless worker retries its connection to the head until the
+   head listens).
 """
 
 from __future__ import annotations
@@ -37,14 +36,12 @@ from sparkdeploy.remote.docker_cli import (
     ContainerInfo,
     Log,
     Runner,
-    checked,
     docker,
     list_containers,
     on_nodes,
     probe,
     stderr_text,
 )
-from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.secrecy import redact
 from sparkdeploy.steps.teardown import RemovedContainer, remove_labelled
@@ -52,9 +49,6 @@ from sparkdeploy.units import GIB
 
 RUN_TIMEOUT_S = 120.0
 STALE_STOP_TIMEOUT_S = 10
-# Runs the serve argv with its output on the container's own stdout/stderr (the log the gate
-# follows). The script is fixed text; the argv arrives as "$@", never parsed by the shell.
-_ON_CONTAINER_LOG = 'exec "$@" >/proc/1/fd/1 2>/proc/1/fd/2'
 # `docker run --env-file F "$@"` with the secret env, read from stdin, in F: a fresh 0600 file
 # (mktemp) removed when the shell exits, whatever docker's exit. The values travel on the SSH
 # channel's stdin and sit in no argv, where `ps` would show them to anyone on the node; docker
@@ -389,10 +383,9 @@ def start_containers(
     started_by: str | None = None,
     log: Log = _LOG.info,
 ) -> list[BootedNode]:
-    """The plan's containers started in the order its backend needs (module docstring), each
-    labelled with `started_by` (the flow run starting them) when given."""
+    """The plan's containers started, all at once (module docstring), each labelled with
+    `started_by` (the flow run starting them) when given."""
     targets = plan_targets(plan)
-    head, workers = plan.head, plan.workers
 
     def start(node: NodePlan, runner: Runner) -> BootedNode:
         container_id = _run(runner, node, checks[node.node].detected_env, started_by)
@@ -406,38 +399,10 @@ def start_containers(
             started_at=time.time(),
         )
 
-    head_runner = cached_connection(targets[head.node])
     by_name = {node.node: node for node in plan.nodes}
-    if head.serve_exec:
-        # Ray workers join the head's GCS, so the head goes first.
-        booted = [start(head, head_runner)]
-        together = {node.node: targets[node.node] for node in workers}
-    else:
-        booted = []
-        together = {node.node: targets[node.node] for node in plan.nodes}
+    together = {node.node: targets[node.node] for node in plan.nodes}
     started = on_nodes(together, lambda runner, name: start(by_name[name], runner))
-    booted += [started[name] for name in together]
-    if head.serve_exec:
-        checked(
-            head.node,
-            docker(
-                head_runner,
-                [
-                    "exec",
-                    "-d",
-                    head.container.name,
-                    "sh",
-                    "-c",
-                    _ON_CONTAINER_LOG,
-                    "sh",
-                    *head.serve_exec,
-                ],
-            ),
-            f"starting `{' '.join(head.serve_exec[:2])}` in {head.container.name}",
-            "check that the Ray head container is running (`docker logs` on the head)",
-        )
-        log(f"node {head.node}: started the serve in {head.container.name}")
-    return booted
+    return [started[name] for name in together]
 
 
 def boot(

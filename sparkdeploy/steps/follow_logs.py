@@ -67,14 +67,11 @@ ConnectionFactory = Callable[[SshTarget], Connection]
 def gate_for(plan: Plan, *, started_at: float | None = None) -> ReadinessGate:
     """The gate for this plan's nodes and markers; `started_at` (time.monotonic()) defaults to
     now, and the timeline counts from it."""
-    head = plan.head
-    # mp workers (--headless) print their join; Ray workers print nothing of vLLM's.
-    ray = head.serve_exec is not None
     return ReadinessGate(
-        head=head.node,
+        head=plan.head.node,
         workers=[node.node for node in plan.workers],
         boot_markers=plan.boot_markers,
-        worker_markers=() if ray else (HEADLESS_WORKER_JOINED,),
+        worker_markers=(HEADLESS_WORKER_JOINED,),  # a --headless worker prints its join
         failure_markers=plan.failure_markers,
         # the head's gloo "Connection closed by peer [ip]" names a dead worker by this
         node_of_ip={node.fabric_ip: node.node for node in plan.workers},
