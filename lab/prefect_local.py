@@ -258,8 +258,9 @@ def register_flow(
 
 
 def register_ensure(env: Mapping[str, str], recipe: str, cluster: str, *, interval_s: int) -> str:
-    """A scheduled deploy of `recipe` with ensure semantics every interval_s seconds (prefect.yaml
-    shows the same for a real cluster, commented); its full name."""
+    """A scheduled deploy of `recipe` with ensure semantics every interval_s seconds, its
+    schedule on (prefect.yaml registers the same for a real cluster, its schedule off); its full
+    name."""
     return register_flow(
         env,
         "flows/deploy.py:deploy",

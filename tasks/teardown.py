@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from sparkdeploy.steps.hold_nodes import (
 )
 from sparkdeploy.steps.teardown import (
     TeardownReport,
+    left_on_nodes,
     recipe_containers,
     recipe_deployments,
     recipe_teardown,
@@ -68,7 +70,15 @@ def teardown_deployment(plan: Plan) -> TeardownReport:
     release_nodes(
         plan.cluster, [node.node for node in plan.nodes], plan.deployment_id, log=logger.info
     )
-    _publish(report)
+    composed = plan.head.composed
+    left = left_on_nodes(
+        plan.cluster,
+        [node.node for node in plan.nodes],
+        composed.root if composed else None,
+        composed.local_files if composed else [],
+    )
+    logger.info("%s", left)
+    _publish(report, left)
     return report
 
 
@@ -91,7 +101,16 @@ def teardown_deployment_id(deployment_id: str, cluster: str) -> TeardownReport:
     release_nodes(
         inventory.name, [node.name for node in inventory.nodes], deployment_id, log=logger.info
     )
-    _publish(report)
+    left = left_on_nodes(
+        inventory.name,
+        sorted({container.node for container in report.removed})
+        or [node.name for node in inventory.nodes],
+        posixpath.join(inventory.node_paths.composed_root, deployment_id),
+        [],
+        known=False,
+    )
+    logger.info("%s", left)
+    _publish(report, left)
     return report
 
 
@@ -105,10 +124,10 @@ def _inventory(cluster: str) -> Cluster:
     return inventory
 
 
-def _publish(report: TeardownReport) -> None:
+def _publish(report: TeardownReport, left: str) -> None:
     publish_markdown(
         key=artifact_key("teardown", report.deployment_id),
-        markdown=_excerpt_markdown(report),
+        markdown=f"{_excerpt_markdown(report)}\n\n{left}",
         description=f"Container log excerpts of {report.deployment_id}",
     )
 

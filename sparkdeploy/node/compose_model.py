@@ -102,7 +102,7 @@ def compose(
         ],
         "hardlinks": {path: replaced[path] for path in local_files},
     }
-    existing = _read_key(root)
+    existing = read_key(root)
     if existing == key:
         return {"status": "unchanged", **summary}
     if existing is None and os.path.isdir(root) and os.listdir(root):
@@ -224,7 +224,9 @@ def _hardlink(local: str, entry: str, final_entry: str) -> None:
         ) from None
 
 
-def _read_key(root: str) -> dict[str, Any] | None:
+def read_key(root: str) -> dict[str, Any] | None:
+    """The content key of the composed dir at root; None when it is no dir of ours (the prune
+    reads the local files and source commits a dir links from it)."""
     try:
         with open(os.path.join(root, KEY_FILE), encoding="utf-8") as key_file:
             lines = key_file.read().splitlines()

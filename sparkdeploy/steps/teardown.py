@@ -180,6 +180,28 @@ def teardown(
     )
 
 
+def left_on_nodes(
+    cluster: str,
+    nodes: Sequence[str],
+    composed_dir: str | None,
+    local_files: Sequence[str],
+    *,
+    known: bool = True,
+) -> str:
+    """The teardown's line on what it leaves on the nodes (so that a redeploy finds it warm),
+    and what frees it. known=False: the recipe could not say whether it composed a dir."""
+    if composed_dir is None and not local_files:
+        return f"nothing of it is left on {', '.join(nodes)} (no composed model)"
+    what = [f"the composed dir {composed_dir}" + ("" if known else " (where it had one)")]
+    what += [f"the local files {', '.join(local_files)}"] if local_files else []
+    return (
+        f"left on {', '.join(nodes)}: {' and '.join(what)}, for a warm redeploy; the prune flow"
+        " frees them once older than its min_age_hours and no recipe names the files (its dry"
+        f" run lists them first): prefect deployment run 'prune/nightly' -p cluster={cluster}"
+        " -p dry_run=false"
+    )
+
+
 @dataclass(frozen=True)
 class Found:
     """A deployment of a recipe on a cluster, as its containers and node lock records show it."""

@@ -1,0 +1,108 @@
+"""The prune flow on the lab: what three deploys and teardowns left on the nodes is listed by a
+dry run, removed by a real run, and nothing a running deployment or a recipe uses is touched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lab_flows import ask, nothing_runs, recipe_variant
+
+from flows.deploy import deploy
+from flows.prune import prune
+from flows.teardown import teardown
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.model.project import load_plan
+from sparkdeploy.remote import ssh
+from sparkdeploy.remote.targets import node_target
+from sparkdeploy.steps.prune import KEPT, NAS, REMOVED, WOULD_REMOVE
+
+ROOT = Path(__file__).parent.parent
+LAB_DSV41 = ROOT / "recipes" / "lab-dsv41-3x" / "recipe.toml"
+ENGRAM_LOCAL = 'host = "/var/tmp/engram-local/'
+
+
+def variant_at(tmp_path: Path, name: str, local_dir: str) -> str:
+    """lab-dsv41-3x with both Engram copies under local_dir: a path no recipe names."""
+    return recipe_variant(
+        tmp_path,
+        name,
+        LAB_DSV41,
+        (ENGRAM_LOCAL, f'host = "{local_dir}/'),
+        (ENGRAM_LOCAL, f'host = "{local_dir}/'),
+    )
+
+
+def left_by(plan: Plan) -> set[tuple[str, str]]:
+    """(node, path) of what a teardown of the plan leaves: composed dir and local files."""
+    assert plan.head.composed is not None
+    return {
+        (node.node, path)
+        for node in plan.nodes
+        if node.composed is not None
+        for path in (node.composed.root, *node.composed.local_files)
+    }
+
+
+def present(plan: Plan, paths: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """Which of (node, path) exist on the plan's nodes."""
+    found = set()
+    for node in plan.nodes:
+        with ssh.connect(node_target(node)) as connection:
+            for where, path in paths:
+                if where == node.node:
+                    result = connection.run(["test", "-e", path], timeout=10, check=False)
+                    if result.exit_code == 0:
+                        found.add((where, path))
+    return found
+
+
+@pytest.mark.lab
+@pytest.mark.usefixtures("prefect_harness")
+def test_prune_frees_what_teardowns_left_and_nothing_a_running_deployment_uses(
+    cluster: str, tmp_path: Path
+) -> None:
+    """Two variants of lab-dsv41-3x (Engram copies at paths no recipe names) and lab-single are
+    deployed and torn down; lab-dsv41-3x then runs. The dry run lists the variants' composed
+    dirs and copies on every node as to be removed, with their bytes; the real run removes
+    exactly those; lab-dsv41-3x's composed dir and copies stay and it still answers; the NAS
+    keeps every revision (all named by the lab recipes)."""
+    variant_a = variant_at(tmp_path, "lab-prune-a", "/var/tmp/engram-prune-a")
+    variant_b = variant_at(tmp_path, "lab-prune-b", "/var/tmp/engram-prune-b")
+    plans = {recipe: load_plan(recipe, cluster) for recipe in (variant_a, variant_b)}
+    running = load_plan("lab-dsv41-3x", cluster)
+    try:
+        for recipe in (variant_a, variant_b, "lab-single"):
+            deploy(recipe, cluster=cluster, skip=["smoke-test"])
+            teardown(cluster=cluster, recipe=recipe)
+        deploy("lab-dsv41-3x", cluster=cluster, skip=["smoke-test"])
+        left = left_by(plans[variant_a]) | left_by(plans[variant_b])
+        assert present(running, left) == left
+        in_use = left_by(running)
+
+        dry = prune(cluster, min_age_hours=0)
+        would = {(r.where, r.path) for r in dry if r.action == WOULD_REMOVE}
+        assert left <= would, sorted(left - would)
+        assert not would & in_use
+        assert all(r.bytes > 0 for r in dry if (r.where, r.path) in left and "engram" in r.path)
+        assert not [r for r in dry if r.where == NAS and r.action != KEPT]
+        assert present(running, left) == left  # a dry run removes nothing
+
+        done = prune(cluster, dry_run=False, min_age_hours=0)
+        removed = {(r.where, r.path) for r in done if r.action == REMOVED}
+        assert removed == would
+        assert present(running, left) == set()
+        assert present(running, in_use) == in_use
+        kept = {(r.where, r.path) for r in done if r.action == KEPT and r.where != NAS}
+        assert in_use <= kept
+        assert ask(running.endpoint, running.served_model_name, "Say hello.")
+    finally:
+        teardown(cluster=cluster, recipe="lab-dsv41-3x")
+        for recipe in (variant_a, variant_b, "lab-single"):
+            teardown(cluster=cluster, recipe=recipe)
+        for node in running.nodes:
+            with ssh.connect(node_target(node)) as connection:
+                connection.run(
+                    ["rm", "-rf", "/var/tmp/engram-prune-a", "/var/tmp/engram-prune-b"], timeout=30
+                )
+    nothing_runs(cluster)
