@@ -38,8 +38,8 @@ from bench.cpu import CpuUsage, measured  # noqa: E402
 from lab.brownfield import (  # noqa: E402
     BROWNFIELD_RECIPE,
     Brownfield,
+    clear_brownfield,
     make_brownfield,
-    remove_foreign_container,
 )
 from lab.cluster import Lab  # noqa: E402
 from lab.image import build_engine_image  # noqa: E402
@@ -101,7 +101,7 @@ def measure(rounds: int) -> tuple[list[CpuUsage], list[CpuUsage]]:
             brownfield.append(timed_deploy(lab, "brownfield (adopts)"))
             clean_state(lab, field)
             clean.append(timed_deploy(lab, "clean (fetches and copies)"))
-            remove_foreign_container(lab, field.foreign_node)
+            clear_brownfield(lab, field)
         return brownfield, clean
     finally:
         lab.down()

@@ -191,10 +191,19 @@ def _start_foreign_container(lab: Lab, node: str) -> None:
         engine.close()
 
 
-def remove_foreign_container(lab: Lab, node: str) -> None:
-    engine = _node_docker(lab, node)
-    try:
-        for old in engine.containers.list(all=True, filters={"name": FOREIGN_CONTAINER}):
-            old.remove(force=True)
-    finally:
-        engine.close()
+def clear_brownfield(lab: Lab, field: Brownfield) -> None:
+    """What make_brownfield left that later tests would trip on: the container that is not ours,
+    and the :local tag on every node (it keeps the stand-in's layers, so a later pull of the
+    stand-in would find them all there). The Engram copies and the NAS cache stay: a deploy's
+    teardown and the NAS are the tests' own business."""
+    nodes = sorted({copy.node for copy in field.copies} | {field.foreign_node})
+    for node in nodes:
+        engine = _node_docker(lab, node)
+        try:
+            if node == field.foreign_node:
+                for old in engine.containers.list(all=True, filters={"name": FOREIGN_CONTAINER}):
+                    old.remove(force=True)
+            if engine.images.list(name=BROWNFIELD_IMAGE):
+                engine.images.remove(BROWNFIELD_IMAGE)
+        finally:
+            engine.close()

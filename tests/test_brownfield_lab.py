@@ -29,8 +29,8 @@ from flows.teardown import teardown
 from lab.brownfield import (
     BROWNFIELD_RECIPE,
     Brownfield,
+    clear_brownfield,
     make_brownfield,
-    remove_foreign_container,
 )
 from lab.cluster import Lab
 from lab.hub import HubControl
@@ -185,5 +185,5 @@ def test_a_first_deploy_on_a_brownfield_lab_adopts_what_is_there_and_moves_no_by
         ask(plan.endpoint, plan.served_model_name, "Say OK.")
     finally:
         teardown(RECIPE, cluster=cluster)
-        remove_foreign_container(lab_cluster, field.foreign_node)
+        clear_brownfield(lab_cluster, field)
     nothing_runs(cluster)
