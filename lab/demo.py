@@ -32,6 +32,7 @@ from lab.prefect_local import (
     deploy_run,
     register_deployments,
     register_ensure,
+    resume_schedules,
     start_worker,
 )
 from lab.vllm_runtime import prepare_real_engine
@@ -123,6 +124,7 @@ def up(*, real: bool = False, postgres: bool = False) -> int:
     pids["server"] = server.pid
     STATE_FILE.write_text(json.dumps(pids))
     register_deployments(server.env())
+    resume_schedules(server.env(), "sentinel/lab")
     worker = start_worker(server.env(), PREFECT_HOME / "worker.log")
     pids["worker"] = worker.pid
     STATE_FILE.write_text(json.dumps(pids))

@@ -257,6 +257,20 @@ def register_flow(
     return f"{flow_name}/{name}"
 
 
+def resume_schedules(env: Mapping[str, str], deployment: str) -> None:
+    """Every schedule of `deployment` ("flow/name") on the server env names, turned on."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with (
+        temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}),
+        get_client(sync_client=True) as client,
+    ):
+        found = client.read_deployment_by_name(deployment)
+        for schedule in found.schedules:
+            client.update_deployment_schedule(found.id, schedule.id, active=True)
+
+
 def register_ensure(env: Mapping[str, str], recipe: str, cluster: str, *, interval_s: int) -> str:
     """A scheduled deploy of `recipe` with ensure semantics every interval_s seconds, its
     schedule on (prefect.yaml registers the same for a real cluster, its schedule off); its full

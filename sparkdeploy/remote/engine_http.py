@@ -70,6 +70,63 @@ def request(
         connection.close()
 
 
+class KeepAlive:
+    """Requests to one engine over one HTTP/1.1 connection kept open between them: a probe
+    every few seconds then costs no TCP handshake (nor the server a new socket). Not
+    thread-safe: one caller at a time."""
+
+    def __init__(self, base_url: str, *, timeout: float) -> None:
+        self._base_url = base_url.rstrip("/")
+        self._timeout = timeout
+        self._connection: http.client.HTTPConnection | None = None
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any | None = None,
+        api_key: SecretStr | None = None,
+    ) -> HttpReply:
+        """One request; OSError and HTTPException propagate. A kept connection the server
+        closed while idle (its keep-alive timeout) fails the first write or read: then it is
+        sent once more on a new connection, and only then (a new one failing is the answer)."""
+        reused = self._connection is not None
+        try:
+            return self._send(method, path, json_body, api_key)
+        except (ConnectionError, http.client.RemoteDisconnected, http.client.CannotSendRequest):
+            self.close()
+            if not reused:
+                raise
+            return self._send(method, path, json_body, api_key)
+        except (OSError, http.client.HTTPException):
+            self.close()
+            raise
+
+    def _send(
+        self, method: str, path: str, json_body: Any | None, api_key: SecretStr | None
+    ) -> HttpReply:
+        # A new HTTPConnection object does not connect until its first request: cheap.
+        fresh, target = _connection(self._base_url + path, self._timeout)
+        if self._connection is None:
+            self._connection = fresh
+        body = None if json_body is None else json.dumps(json_body).encode()
+        headers = _auth(api_key)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        self._connection.request(method, target, body=body, headers=headers)
+        response = self._connection.getresponse()
+        reply = HttpReply(response.status, response.read())
+        if response.will_close:
+            self.close()
+        return reply
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+
 def stream_events(
     url: str, json_body: Any, *, timeout: float, api_key: SecretStr | None = None
 ) -> Iterator[tuple[float, dict[str, Any]]]:

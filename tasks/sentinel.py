@@ -1,0 +1,120 @@
+"""Prefect task of the sentinel: the cluster's deployments probed every few seconds for a
+bounded time, a transition to unhealthy (or back) a Prefect event (logic in
+sparkdeploy.steps.sentinel; the events are the watchdog's, sparkdeploy.model.events)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prefect import get_client, task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.filters import (
+    FlowFilter,
+    FlowFilterName,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.events import emit_event
+from prefect.logging import get_run_logger
+
+from sparkdeploy.model.cluster import Cluster, load_cluster
+from sparkdeploy.model.events import Health, health_event
+from sparkdeploy.model.plan import Plan
+from sparkdeploy.model.project import find_cluster
+from sparkdeploy.steps.hold_nodes import ended_runs, holders
+from sparkdeploy.steps.sentinel import ProbeResult, WatchRecord, run_sentinel
+from sparkdeploy.steps.status import cluster_status
+
+# A teardown stops a deployment's containers (logs kept) before it removes them: from outside,
+# a head that exits. It holds no node lock then, so its flow run is what says it is under way.
+TEARDOWN_FLOW = "teardown"
+_GOING = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
+
+
+class PrefectReporter:
+    """The sentinel's verdicts as the watchdog's events, its lines in the run's log; a deploy
+    holding a node of the deployment, or any teardown going, defers the verdict."""
+
+    def __init__(
+        self, cluster: str, inventory: Cluster, logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> None:
+        self._cluster = cluster  # as given: the repair deploys with the same name or path
+        self._inventory = inventory
+        self._logger = logger
+
+    def busy(self, plan: Plan) -> str | None:
+        nodes = [node.node for node in plan.nodes]
+        try:
+            by_node = holders(self._inventory.name, nodes)
+            runs = {holder.flow_run_id for holder in by_node.values() if holder is not None}
+            live = runs - ended_runs(runs)
+            for node, holder in by_node.items():
+                if holder is not None and holder.flow_run_id in live:
+                    return (
+                        f"{node} is held by flow run {holder.flow_run_id} (deploying"
+                        f" {holder.deployment_id}), still going"
+                    )
+            with get_client(sync_client=True) as client:
+                teardowns = client.read_flow_runs(
+                    flow_filter=FlowFilter(name=FlowFilterName(any_=[TEARDOWN_FLOW])),
+                    flow_run_filter=FlowRunFilter(
+                        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=_GOING))
+                    ),
+                    limit=1,
+                )
+        except Exception as error:
+            return f"Prefect cannot say whether a deploy is busy with it ({error!r})"
+        if teardowns:
+            return f"teardown flow run {teardowns[0].name} is going"
+        return None
+
+    def unhealthy(self, plan: Plan, result: ProbeResult, cause: str) -> None:
+        emit_event(
+            **health_event(plan, self._cluster, Health(False, result.node, result.kind, cause))
+        )
+        self._logger.error(
+            "%s is unhealthy: %s on %s: %s", plan.deployment_id, result.kind, result.node, cause
+        )
+
+    def recovered(self, plan: Plan) -> None:
+        health = Health(True, plan.head.node, "healthy", "the sentinel's probes pass again")
+        emit_event(**health_event(plan, self._cluster, health))
+        self._logger.info("%s is healthy again", plan.deployment_id)
+
+    def log(self, message: str) -> None:
+        self._logger.info("%s", message)
+
+
+def watched_plans(inventory: Cluster) -> list[Plan]:
+    """A plan per deployment of ours on the cluster (orphans cannot be redeployed: the smoke
+    watchdog and status name them)."""
+    return [status.plan for status in cluster_status(inventory) if status.plan is not None]
+
+
+# Its result is small; the plans it reads hold secrets and stay inside (tasks/common.py).
+@task(
+    name="sentinel", task_run_name="sentinel {cluster}", persist_result=False, cache_policy=NO_CACHE
+)
+def watch_cluster(cluster: str, run_for_s: float) -> list[WatchRecord]:
+    """Every deployment on the cluster probed every few seconds for run_for_s (new ones picked
+    up, gone ones dropped), with one event per transition."""
+    logger = get_run_logger()
+    inventory = load_cluster(find_cluster(cluster))
+    records = run_sentinel(
+        lambda: watched_plans(inventory),
+        PrefectReporter(cluster, inventory, logger),
+        run_for_s=run_for_s,
+    )
+    for record in records:
+        logger.info(
+            "%s: %d probes, %d unhealthy and %d recovered events%s",
+            record.deployment_id,
+            record.probes,
+            record.unhealthy_events,
+            record.recovered_events,
+            ", gone" if record.gone else "",
+        )
+    return records
