@@ -11,11 +11,13 @@ from lab_flows import ask, nothing_runs, recipe_variant
 from flows.deploy import deploy
 from flows.prune import prune
 from flows.teardown import teardown
+from lab.prefect_local import PROJECT_ROOT
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.model.project import load_plan
+from sparkdeploy.model.recipe import load_all_recipes
 from sparkdeploy.remote import ssh
 from sparkdeploy.remote.targets import node_target
-from sparkdeploy.steps.prune import KEPT, NAS, REMOVED, WOULD_REMOVE
+from sparkdeploy.steps.prune import KEPT, NAS, REMOVED, WOULD_REMOVE, PruneRow
 
 ROOT = Path(__file__).parent.parent
 LAB_DSV41 = ROOT / "recipes" / "lab-dsv41-3x" / "recipe.toml"
@@ -57,6 +59,17 @@ def present(plan: Plan, paths: set[tuple[str, str]]) -> set[tuple[str, str]]:
     return found
 
 
+def recipe_repos() -> set[str]:
+    recipes = load_all_recipes(PROJECT_ROOT / "recipes")
+    return {ref.repo for recipe in recipes.values() for ref in recipe.hf_repos}
+
+
+def nas_repo(row: PruneRow) -> str:
+    """The repo a NAS row is about, from its cache dir's name (models--org--name)."""
+    [storage] = [part for part in Path(row.path).parts if part.startswith("models--")]
+    return storage.removeprefix("models--").replace("--", "/", 1)
+
+
 @pytest.mark.lab
 @pytest.mark.usefixtures("prefect_harness")
 def test_prune_frees_what_teardowns_left_and_nothing_a_running_deployment_uses(
@@ -66,7 +79,7 @@ def test_prune_frees_what_teardowns_left_and_nothing_a_running_deployment_uses(
     deployed and torn down; lab-dsv41-3x then runs. The dry run lists the variants' composed
     dirs and copies on every node as to be removed, with their bytes; the real run removes
     exactly those; lab-dsv41-3x's composed dir and copies stay and it still answers; the NAS
-    keeps every revision (all named by the lab recipes)."""
+    keeps every revision of a repo a recipe names."""
     variant_a = variant_at(tmp_path, "lab-prune-a", "/var/tmp/engram-prune-a")
     variant_b = variant_at(tmp_path, "lab-prune-b", "/var/tmp/engram-prune-b")
     plans = {recipe: load_plan(recipe, cluster) for recipe in (variant_a, variant_b)}
@@ -85,7 +98,10 @@ def test_prune_frees_what_teardowns_left_and_nothing_a_running_deployment_uses(
         assert left <= would, sorted(left - would)
         assert not would & in_use
         assert all(r.bytes > 0 for r in dry if (r.where, r.path) in left and "engram" in r.path)
-        assert not [r for r in dry if r.where == NAS and r.action != KEPT]
+        # Other tests of the session leave repos no recipe names (lab/fault-chat...): those may
+        # go; no revision of a repo a recipe names does.
+        named = recipe_repos()
+        assert not [r for r in dry if r.where == NAS and r.action != KEPT and nas_repo(r) in named]
         assert present(running, left) == left  # a dry run removes nothing
 
         done = prune(cluster, dry_run=False, min_age_hours=0)
