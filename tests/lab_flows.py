@@ -184,9 +184,20 @@ def _settled(state: State) -> bool:
     return bool(state.is_final() or state.is_pending())
 
 
-def task_history(flow_run_id: str) -> list[str]:
-    """`<task run name>: <state name>` for each task run of a flow run, in start order."""
-    runs = settled_task_runs(flow_run_id)
+def task_history(flow_run_id: str, *, settled: bool = False) -> list[str]:
+    """`<task run name>: <state name>` for each task run of a flow run, in start order: as the
+    server has them now (to follow a running flow), or, for a flow run that has ended, once
+    they have settled (settled_task_runs)."""
+    if settled:
+        runs = settled_task_runs(flow_run_id)
+    else:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(flow_run_id)]))
+            )
     ordered = sorted(
         runs, key=lambda run: (run.start_time or run.expected_start_time or 0, run.name)
     )

@@ -148,7 +148,7 @@ def started(run: Any) -> datetime:
 
 def booted(run: Any) -> bool:
     """Whether the run started containers (else it did nothing beyond its checks)."""
-    return any(line.startswith("boot ") for line in task_history(str(run.id)))
+    return any(line.startswith("boot ") for line in task_history(str(run.id), settled=True))
 
 
 def wait_for(what: str, condition: Callable[[], Any]) -> Any:

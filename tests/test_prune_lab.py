@@ -3,6 +3,7 @@ dry run, removed by a real run, and nothing a running deployment or a recipe use
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,14 @@ from flows.deploy import deploy
 from flows.prune import prune
 from flows.teardown import teardown
 from lab.prefect_local import PROJECT_ROOT
+from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.model.plan import Plan
 from sparkdeploy.model.project import load_plan
 from sparkdeploy.model.recipe import load_all_recipes
+from sparkdeploy.node.hfcache import SnapshotNotFound, resolve_snapshot
 from sparkdeploy.remote import ssh
 from sparkdeploy.remote.targets import node_target
-from sparkdeploy.steps.prune import KEPT, NAS, REMOVED, WOULD_REMOVE, PruneRow
+from sparkdeploy.steps.prune import KEPT, NAS, REMOVED, WOULD_REMOVE
 
 ROOT = Path(__file__).parent.parent
 LAB_DSV41 = ROOT / "recipes" / "lab-dsv41-3x" / "recipe.toml"
@@ -59,15 +62,15 @@ def present(plan: Plan, paths: set[tuple[str, str]]) -> set[tuple[str, str]]:
     return found
 
 
-def recipe_repos() -> set[str]:
-    recipes = load_all_recipes(PROJECT_ROOT / "recipes")
-    return {ref.repo for recipe in recipes.values() for ref in recipe.hf_repos}
-
-
-def nas_repo(row: PruneRow) -> str:
-    """The repo a NAS row is about, from its cache dir's name (models--org--name)."""
-    [storage] = [part for part in Path(row.path).parts if part.startswith("models--")]
-    return storage.removeprefix("models--").replace("--", "/", 1)
+def recipe_snapshots(cluster: str) -> set[Path]:
+    """The snapshot dirs the recipes' repos resolve to in the NAS: what a deploy reads."""
+    nas = load_cluster(Path(cluster)).nas.hf_cache
+    found = set()
+    for recipe in load_all_recipes(PROJECT_ROOT / "recipes").values():
+        for ref in recipe.hf_repos:
+            with contextlib.suppress(SnapshotNotFound):
+                found.add(Path(resolve_snapshot(nas, ref.repo, ref.revision)[1]))
+    return found
 
 
 @pytest.mark.lab
@@ -98,10 +101,11 @@ def test_prune_frees_what_teardowns_left_and_nothing_a_running_deployment_uses(
         assert left <= would, sorted(left - would)
         assert not would & in_use
         assert all(r.bytes > 0 for r in dry if (r.where, r.path) in left and "engram" in r.path)
-        # Other tests of the session leave repos no recipe names (lab/fault-chat...): those may
-        # go; no revision of a repo a recipe names does.
-        named = recipe_repos()
-        assert not [r for r in dry if r.where == NAS and r.action != KEPT and nas_repo(r) in named]
+        # Other tests of the session leave repos and revisions no recipe names (lab/fault-chat,
+        # a branch's older commit): those may go; a revision a recipe resolves to never does.
+        named = recipe_snapshots(cluster)
+        assert named
+        assert not [r for r in dry if r.where == NAS and r.action != KEPT and Path(r.path) in named]
         assert present(running, left) == left  # a dry run removes nothing
 
         done = prune(cluster, dry_run=False, min_age_hours=0)
@@ -109,6 +113,7 @@ def test_prune_frees_what_teardowns_left_and_nothing_a_running_deployment_uses(
         assert removed == would
         assert present(running, left) == set()
         assert present(running, in_use) == in_use
+        assert all(snapshot.is_dir() for snapshot in named)
         kept = {(r.where, r.path) for r in done if r.action == KEPT and r.where != NAS}
         assert in_use <= kept
         assert ask(running.endpoint, running.served_model_name, "Say hello.")

@@ -70,7 +70,7 @@ def test_a_failed_replacement_rolls_back_and_a_good_one_commits(
     assert holder is not None and holder.deployment_id == serving.deployment_id
     assert holder.replaces is None and holder.flow_run_id is not None
     # The failed run's history: the new deployment's steps rolled back, the old one's rerun.
-    history = task_history(holder.flow_run_id)
+    history = task_history(holder.flow_run_id, settled=True)
     print("\n".join(history))
     bad_id = load_plan(bad, cluster).deployment_id
     assert f"boot {bad_id}: RolledBack" in history

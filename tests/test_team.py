@@ -311,7 +311,7 @@ def test_four_deploys_at_once_each_on_its_own_nodes_while_schedules_fire(
                 )
                 time.sleep(2)
             for run in runs_of(schedule, completed_only=True):
-                history = task_history(str(run.id))
+                history = task_history(str(run.id), settled=True)
                 assert not [task for task in history if "hold-nodes" in task], (schedule, history)
     finally:
         # Not left firing into the next tests, whatever this one found.
@@ -424,7 +424,7 @@ def test_an_api_server_killed_mid_deploy_leaves_the_deploy_to_the_other(
         time.sleep(0.5)
     team.kill_api_server(1)
     all_completed([run])
-    history = task_history(run)
+    history = task_history(run, settled=True)
     assert [t for t in history if t.startswith("smoke-test ") and t.endswith(": Completed")]
     [running] = cluster_status(load_cluster(Path(inventory(team))))
     assert running.nodes == nodes and running.healthy
