@@ -45,8 +45,8 @@ from lab.cluster import Lab  # noqa: E402
 from lab.image import build_engine_image  # noqa: E402
 from lab.models import publish_lab_models  # noqa: E402
 from lab.prefect_local import PrefectServer, free_port  # noqa: E402
-from sparkdeploy.model.cluster import load_cluster  # noqa: E402
 from sparkdeploy.node.hfcache import repo_dir  # noqa: E402
+from sparkdeploy.spec.cluster import load_cluster  # noqa: E402
 
 RECIPE = str(BROWNFIELD_RECIPE)
 NODES = 3

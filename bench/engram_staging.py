@@ -44,9 +44,9 @@ from hfcache_layout import cache_repo  # noqa: E402
 from local_node import LocalPython  # noqa: E402
 
 from lab.tinymodel import EngramSpec, generate_repo, parse_size  # noqa: E402
-from sparkdeploy.model.plan import EngramStage  # noqa: E402
-from sparkdeploy.model.recipe import RepoRef  # noqa: E402
 from sparkdeploy.node import engram  # noqa: E402
+from sparkdeploy.spec.plan import EngramStage  # noqa: E402
+from sparkdeploy.spec.recipe import RepoRef  # noqa: E402
 from sparkdeploy.steps import stage_engram as staging  # noqa: E402
 
 REPO = "bench-org/EngramBench"

@@ -53,12 +53,12 @@ os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{PREFECT_PORT}/api"
 from lab.cluster import Lab  # noqa: E402
 from lab.image import build_engine_image  # noqa: E402
 from lab.models import publish_lab_models  # noqa: E402
-from sparkdeploy.model.cluster import Cluster, load_cluster  # noqa: E402
-from sparkdeploy.model.plan import Plan  # noqa: E402
-from sparkdeploy.model.project import load_plan  # noqa: E402
 from sparkdeploy.remote import engine_http  # noqa: E402
 from sparkdeploy.remote.ssh import cached_connection  # noqa: E402
 from sparkdeploy.remote.targets import node_target  # noqa: E402
+from sparkdeploy.spec.cluster import Cluster, load_cluster  # noqa: E402
+from sparkdeploy.spec.plan import Plan  # noqa: E402
+from sparkdeploy.spec.project import load_plan  # noqa: E402
 from sparkdeploy.steps.repair_budget import REPAIR_TAG  # noqa: E402
 from sparkdeploy.steps.sentinel import UNREACHABLE_GRACE_S, ProbeResult, run_sentinel  # noqa: E402
 from tasks.sentinel import PrefectReporter, watched_plans  # noqa: E402

@@ -39,8 +39,8 @@ from bench.cpu import measured  # noqa: E402
 from lab.cluster import Lab  # noqa: E402
 from lab.prefect_local import PROJECT_ROOT, PrefectServer, free_port  # noqa: E402
 from lab.vllm_runtime import prepare_real_engine, unavailable_reason  # noqa: E402
-from sparkdeploy.model.plan import Plan  # noqa: E402
-from sparkdeploy.model.project import load_plan  # noqa: E402
+from sparkdeploy.spec.plan import Plan  # noqa: E402
+from sparkdeploy.spec.project import load_plan  # noqa: E402
 from sparkdeploy.steps.readiness_gate import probe_endpoint  # noqa: E402
 
 RECIPE = PROJECT_ROOT / "recipes" / "real-lab-2x" / "recipe.toml"

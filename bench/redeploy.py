@@ -31,7 +31,7 @@ from lab.image import build_engine_image  # noqa: E402
 from lab.models import publish_lab_models  # noqa: E402
 from lab.postgres import PostgresServer  # noqa: E402
 from lab.prefect_local import PROJECT_ROOT, PrefectServer, free_port  # noqa: E402
-from sparkdeploy.model.project import lab_root  # noqa: E402
+from sparkdeploy.spec.project import lab_root  # noqa: E402
 
 RECIPE = PROJECT_ROOT / "recipes" / "lab-dsv41-3x" / "recipe.toml"
 ENGRAM_DIR = "/var/tmp/engram-local/tiny-dsv41"

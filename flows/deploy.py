@@ -19,7 +19,7 @@ from prefect.exceptions import CancelledRun
 from prefect.transactions import transaction
 
 from sparkdeploy.errors import RollbackFailed, RolledBack
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.hold_nodes import Replaced
 from sparkdeploy.steps.readiness_gate import GateResult
 from sparkdeploy.steps.replace import Replacement, rollback_message

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import find_cluster
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import find_cluster
 from sparkdeploy.steps.prefetch import RepoOutcome
 from tasks.artifacts import artifacts_written
 from tasks.catalog import repos_of_deployable_recipes

@@ -28,8 +28,6 @@ import docker
 from huggingface_hub import snapshot_download
 
 from lab.cluster import Lab
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import load_plan
 from sparkdeploy.node.engram import (
     HEADER_LENGTH_BYTES,
     EngramGeometry,
@@ -38,6 +36,8 @@ from sparkdeploy.node.engram import (
     read_safetensors_header,
 )
 from sparkdeploy.node.hfcache import repo_dir, resolve_snapshot
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import load_plan
 
 BROWNFIELD_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "lab-dsv41-brownfield"
 BROWNFIELD_IMAGE = "lab-brownfield/vllm-standin:local"

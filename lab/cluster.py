@@ -12,7 +12,7 @@ The bridge sits in its own namespace so node-to-node traffic never crosses the h
 Each node runs lab/nodeinit.py in its own mount and UTS namespaces (own /run, /tmp + /var/tmp,
 /var/lib/docker, /etc/ssh, /etc/docker, /etc/hosts, /etc/machine-id, hostname), which starts
 the node's dockerd and becomes its sshd. Everything lives under <lab root>/<name>/
-(sparkdeploy.model.project.lab_root: /srv/sparkdeploy-lab unless SPARKDEPLOY_LAB_ROOT says
+(sparkdeploy.spec.project.lab_root: /srv/sparkdeploy-lab unless SPARKDEPLOY_LAB_ROOT says
 otherwise);
 `down` removes it all.
 

@@ -37,8 +37,8 @@ from lab.prefect_local import (
 )
 from lab.vllm_runtime import prepare_real_engine
 from sparkdeploy.errors import SparkDeployError
-from sparkdeploy.model.project import lab_root, load_plan
 from sparkdeploy.remote import engine_http
+from sparkdeploy.spec.project import lab_root, load_plan
 from sparkdeploy.steps.smoke_test import CANARIES
 
 DEMO_RECIPE = "lab-dsv41-3x"

@@ -36,7 +36,7 @@ from lab.cluster import Lab
 from lab.layout import ENGINE_IMAGE, REPO_ROOT
 from lab.processes import run
 from sparkdeploy.errors import LabError
-from sparkdeploy.model.project import lab_root
+from sparkdeploy.spec.project import lab_root
 
 BUSYBOX = Path("/usr/bin/busybox")
 IMAGE_PYTHON_PREFIX = PurePosixPath("/usr/local")

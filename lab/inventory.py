@@ -1,5 +1,5 @@
 """The cluster inventory a lab writes at `lab up` (<state dir>/cluster.toml): its nodes, SSH
-key, NAS, registry and hub, as sparkdeploy.model.cluster reads any cluster's."""
+key, NAS, registry and hub, as sparkdeploy.spec.cluster reads any cluster's."""
 
 from __future__ import annotations
 

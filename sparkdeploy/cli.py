@@ -16,9 +16,11 @@ from typing import Annotated
 import typer
 
 from sparkdeploy.errors import FitError, SparkDeployError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import NodePlan, Plan
-from sparkdeploy.model.project import (
+from sparkdeploy.report.recipe_diff import diff_recipes
+from sparkdeploy.secrecy import MASK
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import NodePlan, Plan
+from sparkdeploy.spec.project import (
     find_cluster,
     find_image_dir,
     find_recipe,
@@ -26,9 +28,7 @@ from sparkdeploy.model.project import (
     load_plan,
     missing_image_dir_problem,
 )
-from sparkdeploy.model.recipe import load_recipe, recipe_paths
-from sparkdeploy.report.recipe_diff import diff_recipes
-from sparkdeploy.secrecy import MASK
+from sparkdeploy.spec.recipe import load_recipe, recipe_paths
 from sparkdeploy.steps.fit import fit_report
 from sparkdeploy.vllm.args import is_flag
 
@@ -330,8 +330,8 @@ def status(
 
     from prefect import get_client
 
-    from sparkdeploy.model.project import find_cluster
     from sparkdeploy.report.history import read_history
+    from sparkdeploy.spec.project import find_cluster
     from sparkdeploy.steps.status import cluster_status
 
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.logging import get_run_logger
 
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.benchmark import BenchmarkResult, BenchmarkSettings, run_benchmark, save_raw
 from sparkdeploy.steps.smoke_test import SmokeSettings
 from sparkdeploy.vllm.args import argv_flag_value

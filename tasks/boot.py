@@ -13,8 +13,8 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.transactions import Transaction, get_transaction
 
-from sparkdeploy.model.plan import Plan
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.boot import BootResult, boot
 from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.teardown import teardown

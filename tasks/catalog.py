@@ -1,4 +1,4 @@
-"""Prefect task: which repos the project's recipes need (logic in sparkdeploy.model.recipe)."""
+"""Prefect task: which repos the project's recipes need (logic in sparkdeploy.spec.recipe)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import fnmatch
 from prefect import task
 from prefect.logging import get_run_logger
 
-from sparkdeploy.model.project import project_root
-from sparkdeploy.model.recipe import RepoRef, load_all_recipes
+from sparkdeploy.spec.project import project_root
+from sparkdeploy.spec.recipe import RepoRef, load_all_recipes
 
 # A recipe's [prefetch] patterns: include, exclude.
 Patterns = tuple[tuple[str, ...], tuple[str, ...]]

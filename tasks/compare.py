@@ -13,8 +13,8 @@ from prefect.states import State
 from prefect.utilities.urls import url_for
 
 from sparkdeploy.errors import InventoryError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import find_cluster, variants_dir
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import find_cluster, variants_dir
 from sparkdeploy.steps.compare import (
     CompareSide,
     Comparison,

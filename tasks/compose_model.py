@@ -6,7 +6,7 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.compose_model import ComposeResult, compose_model
 from tasks.artifacts import publish_table
 from tasks.common import artifact_key, retry_only

@@ -8,7 +8,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import DoesNotFit
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.fit import fit_report
 from tasks.artifacts import publish_markdown
 from tasks.common import artifact_key

@@ -14,10 +14,10 @@ from prefect.logging import get_run_logger
 from prefect.transactions import Transaction, get_transaction
 
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.model.plan import Plan
 from sparkdeploy.remote.docker_cli import deployments_present
 from sparkdeploy.remote.node_identity import machine_ids
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.hold_nodes import (
     DEFAULT_TIMEOUT_S,
     Replaced,

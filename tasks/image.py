@@ -7,8 +7,8 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.model.plan import Plan
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.image import (
     ImageReport,
     check_built_elsewhere,

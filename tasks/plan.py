@@ -1,5 +1,5 @@
-"""Prefect task: the plan of a deployment (logic in sparkdeploy.model.project and
-sparkdeploy.model.plan), its containers labelled with the keyed digest of their secret values.
+"""Prefect task: the plan of a deployment (logic in sparkdeploy.spec.project and
+sparkdeploy.spec.plan), its containers labelled with the keyed digest of their secret values.
 
 The digest's key is the Prefect Secret block `sparkdeploy-secrets-digest-key`, made with random
 bytes on first use: every worker of the Prefect server reads the same key (so they agree on the
@@ -18,10 +18,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import InventoryError, RecipeBlocked
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import Plan, make_plan, with_secrets_label
-from sparkdeploy.model.project import find_cluster, find_recipe
-from sparkdeploy.model.recipe import load_recipe
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import Plan, make_plan, with_secrets_label
+from sparkdeploy.spec.project import find_cluster, find_recipe
+from sparkdeploy.spec.recipe import load_recipe
 
 SECRETS_DIGEST_KEY_BLOCK = "sparkdeploy-secrets-digest-key"
 

@@ -8,9 +8,9 @@ import os
 from prefect import task
 from prefect.logging import get_run_logger
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import Plan
-from sparkdeploy.model.project import find_cluster
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import Plan
+from sparkdeploy.spec.project import find_cluster
 from sparkdeploy.steps.prefetch import PUBLIC_HUB, HubAccess
 from sparkdeploy.steps.preview import Preview, preview
 from tasks.artifacts import publish_markdown

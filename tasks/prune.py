@@ -7,8 +7,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.logging import get_run_logger
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import find_cluster, project_root
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import find_cluster, project_root
 from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.prune import Holders, PruneRow, prune, summary
 from sparkdeploy.steps.status import cluster_status

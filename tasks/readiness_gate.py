@@ -14,7 +14,7 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import BootFailed
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.follow_logs import gate_for, wait_until_ready
 from sparkdeploy.steps.readiness_gate import GateResult, ReadinessGate
 from tasks.artifacts import publish_table

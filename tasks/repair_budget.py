@@ -15,7 +15,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
 from sparkdeploy.errors import RepairLimitReached
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.repair_budget import (
     REPAIR_NOT_NEEDED_TAG,
     REPAIR_TAG,

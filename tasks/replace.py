@@ -7,11 +7,11 @@ from __future__ import annotations
 from prefect import task
 from prefect.logging import get_run_logger
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import Plan
-from sparkdeploy.model.project import find_cluster
 from sparkdeploy.remote.node_identity import machine_ids
 from sparkdeploy.remote.targets import cluster_targets
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import Plan
+from sparkdeploy.spec.project import find_cluster
 from sparkdeploy.steps.hold_nodes import acquire_nodes, commit_replacement, ended_runs, holders
 from sparkdeploy.steps.replace import Replacement, plan_replacement
 from sparkdeploy.steps.status import cluster_status

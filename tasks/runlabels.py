@@ -7,7 +7,7 @@ from uuid import UUID
 from prefect import get_client
 from prefect.runtime import flow_run
 
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 
 
 def deployment_tag(plan: Plan) -> str:

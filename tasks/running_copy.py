@@ -7,7 +7,7 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.image import build_context, image_source
 from sparkdeploy.steps.readiness_gate import probe_endpoint
 from sparkdeploy.steps.running_copy import RunningCopy, judge_running_copy, node_facts

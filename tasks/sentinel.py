@@ -1,6 +1,6 @@
 """Prefect task of the sentinel: the cluster's deployments probed every few seconds for a
 bounded time, a transition to unhealthy (or back) a Prefect event (logic in
-sparkdeploy.steps.sentinel; the events are the watchdog's, sparkdeploy.model.events)."""
+sparkdeploy.steps.sentinel; the events are the watchdog's, sparkdeploy.spec.events)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from prefect.client.schemas.objects import StateType
 from prefect.events import emit_event
 from prefect.logging import get_run_logger
 
-from sparkdeploy.model.cluster import Cluster, load_cluster
-from sparkdeploy.model.events import Health, health_event
-from sparkdeploy.model.plan import Plan
-from sparkdeploy.model.project import find_cluster
+from sparkdeploy.spec.cluster import Cluster, load_cluster
+from sparkdeploy.spec.events import Health, health_event
+from sparkdeploy.spec.plan import Plan
+from sparkdeploy.spec.project import find_cluster
 from sparkdeploy.steps.hold_nodes import ended_runs, holders
 from sparkdeploy.steps.sentinel import ProbeResult, WatchRecord, run_sentinel
 from sparkdeploy.steps.status import cluster_status

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.logging import get_run_logger
 
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.smoke_test import SmokeReport, SmokeSettings, run_smoke
 from tasks.artifacts import publish_table
 from tasks.common import artifact_key

@@ -7,8 +7,8 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.model.plan import Plan
 from sparkdeploy.node.stage_engram import StagingResult
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.stage_engram import stage_engram
 from sparkdeploy.steps.stage_plain import stage_plain
 from sparkdeploy.units import human_bytes

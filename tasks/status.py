@@ -9,9 +9,9 @@ from prefect import get_client, task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import find_cluster
 from sparkdeploy.report.history import read_history
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import find_cluster
 from sparkdeploy.steps.status import DeploymentStatus, cluster_status
 from tasks.artifacts import publish_table
 from tasks.common import artifact_key

@@ -16,13 +16,13 @@ from prefect.states import State
 from prefect.utilities.callables import get_parameter_defaults
 
 from sparkdeploy.errors import InventoryError, SparkDeployError, TransientRemoteError
-from sparkdeploy.model.cluster import Cluster, load_cluster
-from sparkdeploy.model.labels import STARTED_BY_LABEL
-from sparkdeploy.model.plan import SPEC_LABEL, Plan
-from sparkdeploy.model.project import find_cluster, load_plan, recipe_id_named
 from sparkdeploy.remote.docker_cli import deployments_present
 from sparkdeploy.remote.ssh import SshTarget
 from sparkdeploy.remote.targets import cluster_targets, plan_targets
+from sparkdeploy.spec.cluster import Cluster, load_cluster
+from sparkdeploy.spec.labels import STARTED_BY_LABEL
+from sparkdeploy.spec.plan import SPEC_LABEL, Plan
+from sparkdeploy.spec.project import find_cluster, load_plan, recipe_id_named
 from sparkdeploy.steps.hold_nodes import (
     NodeHolder,
     give_back,

@@ -1,6 +1,6 @@
 """Prefect tasks of the smoke watchdog: what runs on a cluster, and each deployment's health as
 a Prefect event (logic in sparkdeploy.steps.status, sparkdeploy.steps.watchdog and
-sparkdeploy.model.events)."""
+sparkdeploy.spec.events)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.events import Health, health_event
-from sparkdeploy.model.plan import Plan
-from sparkdeploy.model.project import find_cluster
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.events import Health, health_event
+from sparkdeploy.spec.plan import Plan
+from sparkdeploy.spec.project import find_cluster
 from sparkdeploy.steps.hold_nodes import ended_runs, holders
 from sparkdeploy.steps.status import cluster_status
 from sparkdeploy.steps.watchdog import being_deployed, diagnose, node_states
@@ -62,7 +62,7 @@ def failure_of(future: PrefectFuture[Any]) -> str | None:
     retry_condition_fn=retry_only(TransientRemoteError),
 )
 def report_health(plan: Plan, cluster: str, smoke_failure: str | None) -> Health:
-    """The deployment's health as a Prefect event (sparkdeploy.model.events): healthy when its smoke
+    """The deployment's health as a Prefect event (sparkdeploy.spec.events): healthy when its smoke
     test passed; else the node and cause DeploymentDown names when the containers' states or
     the head's log show one (then raised), else the smoke test's own failure."""
     logger = get_run_logger()

@@ -41,8 +41,8 @@ from lab.models import publish_lab_models
 from lab.postgres import PostgresServer
 from lab.prefect_local import SERVER_KEEPALIVE_S, PrefectServer, free_port
 from lab.vllm_runtime import RealEngine, ensure_runtime, prepare_real_engine, unavailable_reason
-from sparkdeploy.model.project import lab_root
 from sparkdeploy.remote import ssh
+from sparkdeploy.spec.project import lab_root
 
 pytest_plugins = ["skip_policy"]
 

@@ -21,17 +21,17 @@ import pytest
 
 from lab.cluster import REQUIRED_TOOLS
 from lab.prefect_local import register_deployments, start_worker, stop_worker
-from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.remote.docker_cli import list_containers
 from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.status import cluster_status
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import State, TaskRun
 
-    from sparkdeploy.model.plan import Plan
+    from sparkdeploy.spec.plan import Plan
     from sparkdeploy.steps.preview import Preview
 
 

@@ -15,11 +15,11 @@ from hfcache_layout import cache_repo
 
 from lab.cluster import Lab
 from lab.tinymodel import generate_repo
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import NodePlan, Plan, make_plan
-from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.remote.ssh import Connection, SshTarget, on_all
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import NodePlan, Plan, make_plan
+from sparkdeploy.spec.recipe import load_recipe
 
 MODEL = "lab/tiny-chat"
 SERVED = "tiny"

@@ -12,8 +12,8 @@ import pytest
 from test_cluster import CONTRACT_INVENTORY
 
 from sparkdeploy.errors import InventoryError, RecipeError, SparkDeployError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.recipe import load_recipe
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.recipe import load_recipe
 
 GOOD_RECIPE = """\
 engine = "vllm"

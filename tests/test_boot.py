@@ -12,12 +12,12 @@ import pytest
 
 from lab.cluster import Lab
 from sparkdeploy.errors import BootError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import Recipe
 from sparkdeploy.node.probe import detect_roce, ipv4_of_gid
 from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import Plan, make_plan
+from sparkdeploy.spec.recipe import Recipe
 from sparkdeploy.steps.boot import _judge, _node_problems, boot
 from sparkdeploy.steps.teardown import teardown
 

@@ -35,8 +35,8 @@ from lab.brownfield import (
 from lab.cluster import Lab
 from lab.hub import HubControl
 from lab.prefect_local import FLOW_RUN_ID, deploy_run, run_prefect
-from sparkdeploy.model.plan import Plan
-from sparkdeploy.model.project import load_plan
+from sparkdeploy.spec.plan import Plan
+from sparkdeploy.spec.project import load_plan
 from sparkdeploy.steps.preview import Preview
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]

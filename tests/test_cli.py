@@ -6,7 +6,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from sparkdeploy.cli import app
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 
 ROOT = Path(__file__).parent.parent
 BAD = Path(__file__).parent / "fixtures" / "bad"

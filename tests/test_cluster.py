@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.errors import InventoryError, PlanError
-from sparkdeploy.model.cluster import load_cluster
+from sparkdeploy.spec.cluster import load_cluster
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "clusters" / "dgx-spark-4.toml"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.errors import BootError, BootFailed, CompareError
-from sparkdeploy.model.cluster import Cluster, load_cluster
-from sparkdeploy.model.recipe import load_recipe
-from sparkdeploy.model.recipe_variant import write_variant
+from sparkdeploy.spec.cluster import Cluster, load_cluster
+from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_variant import write_variant
 from sparkdeploy.steps.benchmark import (
     FIGURE_BY_NAME,
     BenchmarkResult,

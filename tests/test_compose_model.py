@@ -20,8 +20,8 @@ from local_node import LocalPython
 
 from lab.tinymodel import EngramSpec, generate_repo
 from sparkdeploy.errors import ComposeError
-from sparkdeploy.model.plan import ComposedPlan, EngramStage
-from sparkdeploy.model.recipe import RepoRef
+from sparkdeploy.spec.plan import ComposedPlan, EngramStage
+from sparkdeploy.spec.recipe import RepoRef
 from sparkdeploy.steps import compose_model as compose
 from sparkdeploy.steps import stage_engram as staging
 

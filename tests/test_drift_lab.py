@@ -25,10 +25,10 @@ from flows.teardown import teardown
 from lab.cluster import Lab
 from lab.hub import HubControl
 from lab.models import TINY_CHAT, publish_lab_models
-from sparkdeploy.model.project import load_plan
 from sparkdeploy.node.hfcache import resolve_snapshot
 from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.spec.project import load_plan
 from sparkdeploy.units import human_bytes
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]

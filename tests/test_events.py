@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.events import UNHEALTHY, Health, health_event
-from sparkdeploy.model.plan import make_plan
-from sparkdeploy.model.recipe import load_recipe
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.events import UNHEALTHY, Health, health_event
+from sparkdeploy.spec.plan import make_plan
+from sparkdeploy.spec.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = make_plan(

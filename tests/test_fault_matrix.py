@@ -69,10 +69,10 @@ from lab.prefect_local import (
 )
 from lab.tinymodel import EngramSpec, generate_repo
 from sparkdeploy.errors import BootFailed, DeploymentDown, SmokeFailed
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import lab_root, load_plan
 from sparkdeploy.remote.ssh import cached_connection, close_cached
 from sparkdeploy.remote.targets import cluster_targets
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import lab_root, load_plan
 from sparkdeploy.steps.hold_nodes import holders, release_nodes
 from sparkdeploy.steps.status import cluster_status
 from sparkdeploy.steps.teardown import teardown as remove_deployment

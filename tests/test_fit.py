@@ -1,4 +1,4 @@
-"""The fit check (sparkdeploy.steps.fit, sparkdeploy.model.memory, sparkdeploy.vllm.kv_cache)
+"""The fit check (sparkdeploy.steps.fit, sparkdeploy.spec.memory, sparkdeploy.vllm.kv_cache)
 without a lab: its estimate against what real vLLM 0.32 logged for the lab's model, its refusals and
 warnings."""
 
@@ -14,10 +14,10 @@ import pytest
 
 from lab.tinymodel import EngramSpec, generate_repo
 from sparkdeploy.errors import FitError, RecipeError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.memory import human_readable_int, read_memory_flags
-from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import Recipe, load_recipe
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.memory import human_readable_int, read_memory_flags
+from sparkdeploy.spec.plan import Plan, make_plan
+from sparkdeploy.spec.recipe import Recipe, load_recipe
 from sparkdeploy.steps.fit import estimate, fit_report, pp_layer_ranges, read_model
 from sparkdeploy.vllm.args import normalise_args
 from sparkdeploy.vllm.kv_cache import FP8_DS_MLA_TOKEN_BYTES, KvGeometry

@@ -16,9 +16,9 @@ from lab.inventory import LAB_NODE_MEMORY_GIB
 from lab.models import publish_lab_models
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import BootError, DoesNotFit
-from sparkdeploy.model.project import load_plan
 from sparkdeploy.remote.ssh import cached_connection, close_cached
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.project import load_plan
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 

@@ -13,8 +13,8 @@ from flows.deploy import deploy
 from flows.prefetch_all import prefetch_all
 from lab.prefect_local import deploy_run, deployment_run
 from sparkdeploy.errors import ImageError, RecipeBlocked
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import load_plan
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import load_plan
 from sparkdeploy.steps.status import cluster_status
 
 ROOT = Path(__file__).parent.parent

@@ -22,11 +22,11 @@ from readiness_lab import Deployment, lab_plan
 
 from lab.cluster import Lab
 from sparkdeploy.errors import BootFailed, RemoteError, TransientRemoteError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.remote.ssh import Connection, SshTarget, StreamEnd, cached_connection
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import Plan, make_plan
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps import follow_logs
 from sparkdeploy.steps.follow_logs import gate_for, wait_until_ready
 

@@ -17,11 +17,11 @@ from readiness_lab import Deployment
 from lab.cluster import Lab
 from lab.prefect_local import PROJECT_ROOT
 from sparkdeploy.errors import RemoteError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import make_plan
-from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.remote.ssh import Connection, SshTarget, cached_connection
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import make_plan
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps.follow_logs import gate_for, wait_until_ready
 
 pytestmark = pytest.mark.lab

@@ -20,15 +20,15 @@ from prefect.states import Completed, Running, State
 
 from lab.cluster import Lab
 from sparkdeploy.errors import NodeLockError, RemoteError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import make_plan
-from sparkdeploy.model.project import find_recipe
-from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.remote.docker_cli import DEPLOYMENT_LABEL, deployments_present
 from sparkdeploy.remote.node_identity import machine_ids, parse_machine_id
 from sparkdeploy.remote.prefect_api import SingleAttemptHttpxClient, single_attempt_client
 from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import make_plan
+from sparkdeploy.spec.project import find_recipe
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps import hold_nodes as locks
 from sparkdeploy.steps.hold_nodes import (
     NodeHolder,

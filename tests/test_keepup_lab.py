@@ -39,10 +39,10 @@ from lab.prefect_local import (
     stop_worker,
 )
 from lab.vllm_runtime import RealEngine
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import load_plan
 from sparkdeploy.remote.ssh import cached_connection, close_cached
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import load_plan
 from sparkdeploy.steps.status import cluster_status
 
 pytestmark = [pytest.mark.lab]

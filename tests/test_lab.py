@@ -24,8 +24,8 @@ from lab.cluster import Lab
 from lab.layout import FABRIC_NETDEV
 from lab.network import existing_netns
 from lab.tinymodel import generate_repo
-from sparkdeploy.model.cluster import load_cluster
 from sparkdeploy.remote.ssh import Connection, cached_connection, connect, on_all
+from sparkdeploy.spec.cluster import load_cluster
 
 pytestmark = pytest.mark.lab
 

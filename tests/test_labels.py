@@ -10,18 +10,18 @@ import pytest
 
 from lab.cluster import Lab
 from sparkdeploy.errors import BootError, SparkDeployError, TeardownError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.labels import (
+from sparkdeploy.remote.ssh import cached_connection
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.labels import (
     DEPLOYMENT_LABEL,
     NODE_LABEL,
     RANK_LABEL,
     RECIPE_LABEL,
     label_problems,
 )
-from sparkdeploy.model.plan import deployment_id, make_plan
-from sparkdeploy.model.project import find_recipe, find_recipe_by_name
-from sparkdeploy.model.recipe import load_recipe
-from sparkdeploy.remote.ssh import cached_connection
+from sparkdeploy.spec.plan import deployment_id, make_plan
+from sparkdeploy.spec.project import find_recipe, find_recipe_by_name
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps.boot import stop_stale
 from sparkdeploy.steps.status import cluster_status
 from sparkdeploy.steps.teardown import remove_labelled, teardown

@@ -1,5 +1,5 @@
 """The layers docs/architecture.md draws hold in the code: no module imports from a layer above
-its own (flows > tasks > cli > steps > report > remote > model > vllm > node > units, secrecy,
+its own (flows > tasks > cli > steps > report > remote > spec > vllm > node > units, secrecy,
 errors). A new import that climbs fails here, naming both modules."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ LAYERS = [
     "sparkdeploy.steps",
     "sparkdeploy.report",
     "sparkdeploy.remote",
-    "sparkdeploy.model",
+    "sparkdeploy.spec",
     "sparkdeploy.vllm",
     "sparkdeploy.node",
     "sparkdeploy.units",

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 from lab.tinymodel import EngramSpec, generate_repo
 from sparkdeploy.cli import app
 from sparkdeploy.errors import RecipeError
-from sparkdeploy.model.cluster import Cluster, load_cluster
-from sparkdeploy.model.plan import make_plan
-from sparkdeploy.model.recipe import Recipe, load_recipe
+from sparkdeploy.spec.cluster import Cluster, load_cluster
+from sparkdeploy.spec.plan import make_plan
+from sparkdeploy.spec.recipe import Recipe, load_recipe
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "clusters" / "dgx-spark-4.toml"

@@ -26,10 +26,10 @@ from flows.deploy import deploy
 from flows.teardown import teardown
 from lab.cluster import Lab
 from lab.prefect_local import PROJECT_ROOT, deploy_run, start_worker, stop_worker
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import ROOT_ENV, load_plan
 from sparkdeploy.remote.ssh import close_cached
 from sparkdeploy.remote.targets import cluster_targets
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import ROOT_ENV, load_plan
 from sparkdeploy.steps.hold_nodes import holders, release_nodes
 from sparkdeploy.steps.status import cluster_status, teardown_command
 from sparkdeploy.steps.teardown import teardown as remove_deployment

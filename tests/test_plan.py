@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.errors import PlanError
-from sparkdeploy.model.cluster import Cluster, load_cluster
-from sparkdeploy.model.plan import MASTER_PORT, Plan, make_plan, spec_digest
-from sparkdeploy.model.recipe import Recipe, load_recipe
+from sparkdeploy.spec.cluster import Cluster, load_cluster
+from sparkdeploy.spec.plan import MASTER_PORT, Plan, make_plan, spec_digest
+from sparkdeploy.spec.recipe import Recipe, load_recipe
 from sparkdeploy.vllm.markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
 
 ROOT = Path(__file__).parent.parent

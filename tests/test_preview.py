@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import load_plan
 from sparkdeploy.remote.docker_cli import ContainerInfo
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import load_plan
 from sparkdeploy.steps.hold_nodes import NodeHolder
 from sparkdeploy.steps.preview import Preview, Row
 from sparkdeploy.steps.preview.model import DEFAULT_DOWNLOAD_GB_PER_S, Rates, timed

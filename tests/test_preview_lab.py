@@ -15,8 +15,8 @@ from lab_flows import deploy_matches_preview, nothing_runs, our_containers
 from flows.deploy import deploy
 from flows.preview import preview as preview_flow
 from flows.teardown import teardown
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import load_plan
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import load_plan
 from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.preview import Preview
 

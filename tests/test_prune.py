@@ -12,9 +12,9 @@ from typing import Any
 
 from local_node import LocalPython
 
-from sparkdeploy.model.recipe import RepoRef
 from sparkdeploy.node import compose_model, stage_engram, stage_plain
 from sparkdeploy.node import prune as node_prune
+from sparkdeploy.spec.recipe import RepoRef
 from sparkdeploy.steps import prune
 from sparkdeploy.steps.prune import (
     KEPT,

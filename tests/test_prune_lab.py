@@ -13,13 +13,13 @@ from flows.deploy import deploy
 from flows.prune import prune
 from flows.teardown import teardown
 from lab.prefect_local import PROJECT_ROOT
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import Plan
-from sparkdeploy.model.project import load_plan
-from sparkdeploy.model.recipe import load_all_recipes
 from sparkdeploy.node.hfcache import SnapshotNotFound, resolve_snapshot
 from sparkdeploy.remote import ssh
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import Plan
+from sparkdeploy.spec.project import load_plan
+from sparkdeploy.spec.recipe import load_all_recipes
 from sparkdeploy.steps.prune import KEPT, NAS, REMOVED, WOULD_REMOVE
 
 ROOT = Path(__file__).parent.parent

@@ -22,10 +22,10 @@ from lab.cluster import Lab
 from lab.prefect_local import PROJECT_ROOT, deploy_run
 from lab.vllm_runtime import RealEngine
 from sparkdeploy.errors import BootFailed, FitError, SparkDeployError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import load_plan
 from sparkdeploy.remote.ssh import cached_connection, close_cached
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import load_plan
 from sparkdeploy.steps.smoke_test import CANARIES
 from sparkdeploy.steps.status import cluster_status
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.errors import RecipeError
-from sparkdeploy.model.recipe import (
+from sparkdeploy.spec.recipe import (
     DEFAULT_READINESS_TIMEOUT_S,
     RepoRef,
     load_all_recipes,

@@ -7,8 +7,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from sparkdeploy.cli import app
-from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.report.recipe_diff import diff_recipes, engine_flags
+from sparkdeploy.spec.recipe import load_recipe
 
 ROOT = Path(__file__).parent.parent
 runner = CliRunner()

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.errors import ReplaceRefused
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import load_recipe
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import Plan, make_plan
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps.hold_nodes import NodeHolder, Replaced, holder_decision
 from sparkdeploy.steps.replace import plan_replacement, rollback_message
 from sparkdeploy.steps.status import DeploymentStatus, NodeContainer

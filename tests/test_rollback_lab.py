@@ -26,8 +26,8 @@ from flows.deploy import deploy
 from flows.teardown import teardown
 from lab.prefect_local import PROJECT_ROOT, deployment_run
 from sparkdeploy.errors import NodeLockError, RolledBack
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import load_plan
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import load_plan
 from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.status import cluster_status
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import SPEC_LABEL, Plan, make_plan
-from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.remote.docker_cli import ContainerInfo
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import SPEC_LABEL, Plan, make_plan
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps.readiness_gate import ProbeOutcome
 from sparkdeploy.steps.running_copy import NodeFacts, judge_running_copy
 

@@ -15,12 +15,12 @@ from typer.testing import CliRunner
 
 from sparkdeploy.cli import app
 from sparkdeploy.errors import BootError, RecipeError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.remote.ssh import CommandResult
 from sparkdeploy.report.recipe_diff import diff_recipes
 from sparkdeploy.secrecy import is_secret_flag, is_secret_name, redact
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import Plan, make_plan
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps import boot
 from sparkdeploy.vllm.args import argv_has_flag
 

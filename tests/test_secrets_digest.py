@@ -17,10 +17,10 @@ from pydantic import SecretStr
 from test_result_storage import planning_inventory, write_secret_recipe
 from test_running_copy import READY, as_planned
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import SECRETS_LABEL, Plan, make_plan, with_secrets_label
-from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.secrecy import keyed_digest
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import SECRETS_LABEL, Plan, make_plan, with_secrets_label
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps.running_copy import judge_running_copy
 from tasks.plan import SECRETS_DIGEST_KEY_BLOCK, plan_deployment, secrets_digest_key
 

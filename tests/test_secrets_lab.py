@@ -33,11 +33,11 @@ from lab.cluster import Lab
 from lab.models import publish_lab_models
 from lab.prefect_local import PROJECT_ROOT
 from sparkdeploy.cli import app
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import load_plan
 from sparkdeploy.remote import engine_http
 from sparkdeploy.remote.ssh import cached_connection, close_cached
 from sparkdeploy.remote.targets import cluster_targets, node_target
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import load_plan
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 

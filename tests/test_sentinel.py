@@ -14,10 +14,10 @@ from typing import ClassVar
 import pytest
 import yaml
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.remote.engine_http import KeepAlive
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import Plan, make_plan
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps.sentinel import (
     PROBE_INTERVAL_S,
     UNREACHABLE_GRACE_S,

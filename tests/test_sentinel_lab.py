@@ -17,11 +17,11 @@ from lab_flows import ask, nothing_runs
 
 from flows.deploy import deploy
 from flows.teardown import teardown
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.events import UNHEALTHY, resource_id
-from sparkdeploy.model.project import load_plan
 from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.events import UNHEALTHY, resource_id
+from sparkdeploy.spec.project import load_plan
 from sparkdeploy.steps.sentinel import PROBE_INTERVAL_S, WatchRecord, run_sentinel
 from tasks.sentinel import PrefectReporter, watched_plans
 

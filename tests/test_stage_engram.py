@@ -23,11 +23,11 @@ from local_node import LocalPython, LocalStream
 from lab.cluster import Lab
 from lab.tinymodel import EngramSpec, generate_repo
 from sparkdeploy.errors import StagingError
-from sparkdeploy.model.plan import ComposedPlan, EngramStage
-from sparkdeploy.model.recipe import RepoRef
 from sparkdeploy.node.engram import read_safetensors_header
 from sparkdeploy.node.stage_engram import StagingResult
 from sparkdeploy.remote import ssh
+from sparkdeploy.spec.plan import ComposedPlan, EngramStage
+from sparkdeploy.spec.recipe import RepoRef
 from sparkdeploy.steps import compose_model as compose
 from sparkdeploy.steps import stage_engram as staging
 

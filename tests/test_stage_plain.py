@@ -19,12 +19,12 @@ from local_node import LocalPython
 from flows.deploy import deploy
 from flows.teardown import teardown
 from sparkdeploy.errors import StagingError
-from sparkdeploy.model.plan import PlainStage, Plan
-from sparkdeploy.model.project import load_plan
-from sparkdeploy.model.recipe import RepoRef
 from sparkdeploy.remote import ssh
 from sparkdeploy.remote.ssh import CommandResult
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.plan import PlainStage, Plan
+from sparkdeploy.spec.project import load_plan
+from sparkdeploy.spec.recipe import RepoRef
 from sparkdeploy.steps import stage_plain as staging
 
 ROOT = Path(__file__).parent.parent

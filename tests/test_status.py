@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import make_plan
-from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.report.history import event_text, smoke_text
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import make_plan
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps.status import DeploymentStatus, NodeContainer
 
 ROOT = Path(__file__).resolve().parent.parent

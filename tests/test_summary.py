@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.memory import FitReport, NodeFit
-from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import load_recipe
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.memory import FitReport, NodeFit
+from sparkdeploy.spec.plan import Plan, make_plan
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps.readiness_gate import TimelineEntry
 from sparkdeploy.steps.smoke_test import CANARIES
 from sparkdeploy.steps.summary import DeploySummary, NodeRow, StepClock

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.model.cluster import Cluster, load_cluster
-from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.remote.ssh import SshTarget
 from sparkdeploy.remote.targets import cluster_targets, node_target, plan_targets
+from sparkdeploy.spec.cluster import Cluster, load_cluster
+from sparkdeploy.spec.plan import Plan, make_plan
+from sparkdeploy.spec.recipe import load_recipe
 
 ROOT = Path(__file__).parent.parent
 PAIR = ROOT / "recipes" / "lab-pair" / "recipe.toml"

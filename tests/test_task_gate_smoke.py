@@ -18,7 +18,7 @@ from readiness_lab import Deployment, lab_plan
 
 from lab.cluster import Lab
 from sparkdeploy.errors import BootFailed, SmokeFailed
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.readiness_gate import GateResult
 from sparkdeploy.steps.smoke_test import SmokeReport, SmokeSettings
 from tasks.artifacts import artifacts_written

@@ -10,9 +10,9 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 
 from sparkdeploy.errors import RepairLimitReached
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import load_recipe
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import Plan, make_plan
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps.repair_budget import REPAIR_NOT_NEEDED_TAG, REPAIR_TAG
 from tasks.repair_budget import refund_repair, start_repair
 from tasks.runlabels import label_flow_run

@@ -26,8 +26,8 @@ from lab.image import build_engine_image
 from lab.models import publish_lab_models
 from lab.prefect_local import deployment_run, register_deployments, register_flow, run_prefect
 from lab.team import TeamControlPlane
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.project import load_plan
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.project import load_plan
 from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.status import cluster_status
 

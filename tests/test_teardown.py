@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.errors import TeardownError
-from sparkdeploy.model.labels import DEPLOYMENT_LABEL, NODE_LABEL, RANK_LABEL, RECIPE_LABEL
-from sparkdeploy.model.plan import SPEC_LABEL
 from sparkdeploy.remote.docker_cli import ContainerInfo, merge_timestamped
+from sparkdeploy.spec.labels import DEPLOYMENT_LABEL, NODE_LABEL, RANK_LABEL, RECIPE_LABEL
+from sparkdeploy.spec.plan import SPEC_LABEL
 from sparkdeploy.steps.teardown import (
     Found,
     RecipeTeardown,

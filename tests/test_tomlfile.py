@@ -4,7 +4,7 @@ import pydantic
 import pytest
 
 from sparkdeploy.errors import RecipeError
-from sparkdeploy.model.tomlfile import format_key, load_toml, validate_document
+from sparkdeploy.spec.tomlfile import format_key, load_toml, validate_document
 
 FIXTURES = Path(__file__).parent / "fixtures" / "bad"
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import load_recipe
 from sparkdeploy.remote.docker_cli import ContainerInfo
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import Plan, make_plan
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps.watchdog import NodeState, diagnose
 
 ROOT = Path(__file__).resolve().parent.parent

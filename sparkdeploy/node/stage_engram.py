@@ -133,7 +133,7 @@ class _Aborted(Exception):
 
 @dataclass(frozen=True)
 class Request:
-    """One shard to stage: the plan's EngramStage (sparkdeploy.model.plan) as it arrives here,
+    """One shard to stage: the plan's EngramStage (sparkdeploy.spec.plan) as it arrives here,
     with what the node's request says for all its shards."""
 
     node: str

@@ -62,7 +62,7 @@ class PlainFailure(Exception):
 
 @dataclass(frozen=True)
 class PlainFile:
-    """One plain file of a node's request: the plan's PlainStage (sparkdeploy.model.plan) as it
+    """One plain file of a node's request: the plan's PlainStage (sparkdeploy.spec.plan) as it
     arrives here."""
 
     dest: str

@@ -17,10 +17,10 @@ from functools import cache
 from typing import Any, Protocol, TypeVar
 
 from sparkdeploy.errors import ImageError, RemoteError, TransientRemoteError
-from sparkdeploy.model.labels import DEPLOYMENT_LABEL
 from sparkdeploy.node import probe as node_probe
 from sparkdeploy.remote.node_script import STDERR_TAIL_CHARS, build_node_script, last_json_line
 from sparkdeploy.remote.ssh import CommandResult, LineStream, SshTarget, on_all
+from sparkdeploy.spec.labels import DEPLOYMENT_LABEL
 
 DOCKER_TIMEOUT_S = 60.0
 # What dockerd answers `docker rm` of a container another removal is already removing.

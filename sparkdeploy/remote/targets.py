@@ -3,9 +3,9 @@ import paramiko: `sparkdeploy validate` stays fast)."""
 
 from __future__ import annotations
 
-from sparkdeploy.model.cluster import Cluster
-from sparkdeploy.model.plan import NodePlan, Plan, ssh_spec
 from sparkdeploy.remote.ssh import SshTarget
+from sparkdeploy.spec.cluster import Cluster
+from sparkdeploy.spec.plan import NodePlan, Plan, ssh_spec
 
 
 def node_target(node: NodePlan) -> SshTarget:

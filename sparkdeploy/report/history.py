@@ -1,6 +1,6 @@
 """What Prefect remembers of each deployment: its last smoke test (the smoke-test task's table
 artifact, `smoke-<deployment>`) and its last health event from the watchdog
-(sparkdeploy.model.events). The status view shows them beside what the nodes say.
+(sparkdeploy.spec.events). The status view shows them beside what the nodes say.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import ArtifactCollectionFilter, ArtifactCollectionFilterKey
 from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-from sparkdeploy.model.events import RESOURCE_PREFIX, resource_id
+from sparkdeploy.spec.events import RESOURCE_PREFIX, resource_id
 from sparkdeploy.units import ago
 
 NONE_YET = "none yet"

@@ -19,7 +19,7 @@ from prefect.events.schemas.automations import AutomationCore, EventTrigger, Pos
 from prefect.exceptions import ObjectNotFound
 
 from sparkdeploy.errors import SparkDeployError
-from sparkdeploy.model.events import RESOURCE_PREFIX, UNHEALTHY
+from sparkdeploy.spec.events import RESOURCE_PREFIX, UNHEALTHY
 
 NOTIFY_AUTOMATION = "sparkdeploy: notify on an unhealthy deployment"
 SUBJECT = "{{ event.payload.deployment }} is unhealthy: {{ event.payload.kind }}"

@@ -1,6 +1,6 @@
 """What differs between two recipes as the engine will see it: `sparkdeploy diff A B`.
 
-Each recipe is reduced to what reaches its containers (sparkdeploy.model.plan): the image and the
+Each recipe is reduced to what reaches its containers (sparkdeploy.spec.plan): the image and the
 entrypoint, the model, the `vllm serve` flags with those the plan adds (parallel sizes, backend,
 revision), the env, the mounts, the placement. Flags are compared as vLLM reads them
 (`--max_num_seqs 8`, `--max-num-seqs=8` and `--max-num-seqs 8` are one flag; JSON values
@@ -13,10 +13,10 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from sparkdeploy.model.plan import serve_argv
-from sparkdeploy.model.recipe import Recipe
 from sparkdeploy.report.markdown import markdown_table
 from sparkdeploy.secrecy import MASK
+from sparkdeploy.spec.plan import serve_argv
+from sparkdeploy.spec.recipe import Recipe
 from sparkdeploy.vllm.args import canonical_flag, is_flag
 
 ABSENT = "(not set)"

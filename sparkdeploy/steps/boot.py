@@ -13,7 +13,7 @@
    those whose deployment no longer holds the node go (their logs saved like teardown saves
    them), and those nodes are probed again, since the memory the stale ones held is free now.
    A container of a deployment that holds the node is a BootError naming it; one whose labels
-   are not of our form (sparkdeploy.model.labels) is reported and left alone; others' containers are
+   are not of our form (sparkdeploy.spec.labels) is reported and left alone; others' containers are
    never touched. Every node's problems are then reported together.
 3. "auto" HCAs / GID index resolved from the node's sysfs (unset, and logged, without RDMA).
 4. containers started, once every old one is gone: the head and the workers (--headless) all
@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkdeploy.errors import BootError
-from sparkdeploy.model.labels import DEPLOYMENT_LABEL, STARTED_BY_LABEL, label_problems
-from sparkdeploy.model.plan import NodePlan, Plan
 from sparkdeploy.remote.docker_cli import (
     ContainerInfo,
     Log,
@@ -44,6 +42,8 @@ from sparkdeploy.remote.docker_cli import (
 )
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.secrecy import redact
+from sparkdeploy.spec.labels import DEPLOYMENT_LABEL, STARTED_BY_LABEL, label_problems
+from sparkdeploy.spec.plan import NodePlan, Plan
 from sparkdeploy.steps.teardown import RemovedContainer, remove_labelled
 from sparkdeploy.units import GIB
 

@@ -1,7 +1,7 @@
 """The A/B comparison: two sides deployed, smoke-tested, benchmarked, torn down, side by side.
 
 A side is a recipe, or a recipe with flags, env or image overridden (written out as a variant
-recipe: sparkdeploy.model.recipe_variant). The sides run one after the other on shared nodes (A torn
+recipe: sparkdeploy.spec.recipe_variant). The sides run one after the other on shared nodes (A torn
 down before B deploys) or at once on disjoint nodes (`place_sides`). The result is one table:
 every smoke check, every benchmark figure at every level, the boot's phases and the figures the
 head's log gave, each with B's difference from A and a verdict: better, worse, or same within
@@ -24,15 +24,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sparkdeploy.errors import CompareError, EngineFailure
-from sparkdeploy.model.cluster import Cluster
-from sparkdeploy.model.plan import make_plan
-from sparkdeploy.model.project import find_recipe
-from sparkdeploy.model.recipe import Recipe, load_recipe
-from sparkdeploy.model.recipe_variant import recipe_at_revision, write_variant
 from sparkdeploy.report import chart
 from sparkdeploy.report.markdown import markdown_table
 from sparkdeploy.report.recipe_diff import RecipeDiff, diff_recipes
 from sparkdeploy.secrecy import MASK
+from sparkdeploy.spec.cluster import Cluster
+from sparkdeploy.spec.plan import make_plan
+from sparkdeploy.spec.project import find_recipe
+from sparkdeploy.spec.recipe import Recipe, load_recipe
+from sparkdeploy.spec.recipe_variant import recipe_at_revision, write_variant
 from sparkdeploy.steps.benchmark import (
     FIGURES,
     BenchmarkResult,

@@ -13,7 +13,6 @@ from functools import cache
 from typing import Any
 
 from sparkdeploy.errors import ComposeError, RemoteError
-from sparkdeploy.model.plan import ComposedPlan, Plan
 from sparkdeploy.node import compose_model as node_compose
 from sparkdeploy.node import hfcache as node_hfcache
 from sparkdeploy.remote.docker_cli import on_nodes
@@ -24,6 +23,7 @@ from sparkdeploy.remote.node_script import (
     last_json_line,
 )
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.plan import ComposedPlan, Plan
 
 # Symlinks and hardlinks only, no data: a minute is a sick node.
 COMPOSE_TIMEOUT_S = 60.0

@@ -2,7 +2,7 @@
 
 Run before anything is put on a node (the deploy's fit step, `sparkdeploy plan`), from what the
 NAS cache holds: config.json and the safetensors headers of the model (never the tensors), the
-recipe's memory flags and the inventory's node memory (sparkdeploy.model.memory). Per node:
+recipe's memory flags and the inventory's node memory (sparkdeploy.spec.memory). Per node:
 
 - weights: every tensor's bytes, a layer's on the pipeline stage that runs it (vLLM's
   get_pp_indices), split over the tensor-parallel ranks when it has two or more dimensions (a
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkdeploy.errors import EngramError, FitError
-from sparkdeploy.model.memory import TIGHT_MARGIN, FitReport, NodeFit, Verdict
-from sparkdeploy.model.plan import NodePlan, Plan
 from sparkdeploy.node import engram
 from sparkdeploy.node.hfcache import SnapshotNotFound, resolve_snapshot
+from sparkdeploy.spec.memory import TIGHT_MARGIN, FitReport, NodeFit, Verdict
+from sparkdeploy.spec.plan import NodePlan, Plan
 from sparkdeploy.units import human_bytes
 from sparkdeploy.vllm.kv_cache import KvCacheError, KvGeometry, config_value, model_dtype_bytes
 

@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from sparkdeploy.errors import RemoteError
-from sparkdeploy.model.plan import NodePlan, Plan
 from sparkdeploy.remote.ssh import Connection, LineStream, SshTarget, cached_connection
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.plan import NodePlan, Plan
 from sparkdeploy.steps.readiness_gate import (
     ContainerMissing,
     ExitStatus,

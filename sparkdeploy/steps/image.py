@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from sparkdeploy.errors import ImageError, TransientRemoteError
-from sparkdeploy.model.project import find_image_dir, image_dir_fix, image_dir_path
 from sparkdeploy.remote.docker_cli import (
     Log,
     Runner,
@@ -45,6 +44,7 @@ from sparkdeploy.remote.docker_cli import (
     stderr_text,
 )
 from sparkdeploy.remote.ssh import CommandResult, SshTarget, cached_connection
+from sparkdeploy.spec.project import find_image_dir, image_dir_fix, image_dir_path
 from sparkdeploy.units import GIB
 
 CONTEXT_LABEL = "sparkdeploy.context-sha256"

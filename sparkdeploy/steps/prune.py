@@ -38,8 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from sparkdeploy.errors import PrefetchError, RecipeError, RemoteError
-from sparkdeploy.model.cluster import Cluster
-from sparkdeploy.model.recipe import RepoRef, load_recipe, recipe_id_for, recipe_paths
 from sparkdeploy.node import compose_model as node_compose
 from sparkdeploy.node import hfcache as node_hfcache
 from sparkdeploy.node import prune as node_prune
@@ -51,6 +49,8 @@ from sparkdeploy.remote.node_script import (
     last_json_line,
 )
 from sparkdeploy.remote.targets import cluster_targets
+from sparkdeploy.spec.cluster import Cluster
+from sparkdeploy.spec.recipe import RepoRef, load_recipe, recipe_id_for, recipe_paths
 from sparkdeploy.steps.prefetch.cache import (
     MANIFEST_DIRNAME,
     PARTIAL_SUFFIX,

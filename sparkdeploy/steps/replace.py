@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sparkdeploy.errors import ReplaceRefused
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.hold_nodes import NodeHolder, Replaced, unfinished_replacement
 from sparkdeploy.steps.status import DeploymentStatus
 

@@ -2,8 +2,8 @@
 
 A scheduled deploy asks this first. The same deployment (same recipe and nodes: the same deployment
 id) runs as planned when every node of the plan has exactly one container of it, started from this
-plan (the spec label, sparkdeploy.model.plan.spec_digest: revisions, args, env, mounts) with its
-secret values (the secrets label, their keyed digest: sparkdeploy.model.plan.with_secrets_label),
+plan (the spec label, sparkdeploy.spec.plan.spec_digest: revisions, args, env, mounts) with its
+secret values (the secrets label, their keyed digest: sparkdeploy.spec.plan.with_secrets_label),
 from the image the recipe's reference names on that node now (a deploy boots exactly that:
 sparkdeploy.steps.image leaves a present image alone) and, for an image built from images/<dir>,
 from the build context as it is now. It is healthy when every container runs and the head answers
@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sparkdeploy.model.labels import DEPLOYMENT_LABEL
-from sparkdeploy.model.plan import SECRETS_LABEL, SPEC_LABEL, Plan
 from sparkdeploy.remote.docker_cli import ContainerInfo, Runner, list_containers, on_nodes, probe
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.spec.labels import DEPLOYMENT_LABEL
+from sparkdeploy.spec.plan import SECRETS_LABEL, SPEC_LABEL, Plan
 from sparkdeploy.steps.image import CONTEXT_LABEL
 from sparkdeploy.steps.readiness_gate import ProbeOutcome
 

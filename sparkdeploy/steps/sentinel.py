@@ -36,10 +36,10 @@ from typing import Protocol
 import paramiko
 
 from sparkdeploy.errors import RemoteError
-from sparkdeploy.model.plan import Plan
 from sparkdeploy.remote.engine_http import KeepAlive
 from sparkdeploy.remote.ssh import Connection, connect
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.readiness_gate import COMPLETION_PROMPT
 
 # Probe every 3 s; a failure shows within one probe (refused, 5xx, a container exited: well under

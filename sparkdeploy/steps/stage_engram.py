@@ -18,7 +18,6 @@ from functools import cache
 from typing import Any, Protocol
 
 from sparkdeploy.errors import RemoteError, StagingError, TransientRemoteError
-from sparkdeploy.model.plan import EngramStage, NodePlan, Plan
 from sparkdeploy.node import engram
 from sparkdeploy.node import hfcache as node_hfcache
 from sparkdeploy.node import stage_engram as node_staging
@@ -30,6 +29,7 @@ from sparkdeploy.remote.node_script import (
     python_argv,
 )
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.plan import EngramStage, NodePlan, Plan
 
 # The longest the node script may stay silent: while it checks the shards (NAS lookups and
 # header reads) and between two progress lines of a copy (one fdatasync of a slow disk).

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from sparkdeploy.errors import RemoteError, StagingError
-from sparkdeploy.model.plan import NodePlan, PlainStage, Plan
 from sparkdeploy.node import hfcache as node_hfcache
 from sparkdeploy.node import stage_plain as node_plain
 from sparkdeploy.node.stage_plain import PlainResult
@@ -29,6 +28,7 @@ from sparkdeploy.remote.node_script import (
     last_json_line,
 )
 from sparkdeploy.remote.targets import node_target
+from sparkdeploy.spec.plan import NodePlan, PlainStage, Plan
 
 # Plain files are configs, tokenizers, templates: the base covers a NAS file of a few GB too;
 # the ops host's bytes add their transfer at the slowest healthy rate.

@@ -1,8 +1,8 @@
 """What runs on a cluster's nodes: our deployments (found by label), their health, since when.
 
-Containers carry the deployment, recipe, node and rank labels (sparkdeploy.model.plan), so the
+Containers carry the deployment, recipe, node and rank labels (sparkdeploy.spec.plan), so the
 status and the watchdog re-plan a running deployment from its labels alone: no state outside the
-nodes. Labels are untrusted (sparkdeploy.model.labels): a container whose labels do not have our
+nodes. Labels are untrusted (sparkdeploy.spec.labels): a container whose labels do not have our
 form gets a row saying so and is never re-planned; a recipe label is only ever a name under
 recipes/, and a deployment is ours only when its labels re-plan to its own deployment id.
 A deployment of ours whose labels no longer re-plan (its recipe deleted, broken, or changed so
@@ -17,20 +17,20 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sparkdeploy.errors import SparkDeployError
-from sparkdeploy.model.cluster import Cluster
-from sparkdeploy.model.labels import (
+from sparkdeploy.remote.docker_cli import ContainerInfo, list_containers, on_nodes
+from sparkdeploy.remote.targets import cluster_targets
+from sparkdeploy.report.history import NONE_YET, History
+from sparkdeploy.spec.cluster import Cluster
+from sparkdeploy.spec.labels import (
     DEPLOYMENT_LABEL,
     NODE_LABEL,
     RANK_LABEL,
     RECIPE_LABEL,
     label_problems,
 )
-from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.project import find_recipe_by_name
-from sparkdeploy.model.recipe import load_recipe
-from sparkdeploy.remote.docker_cli import ContainerInfo, list_containers, on_nodes
-from sparkdeploy.remote.targets import cluster_targets
-from sparkdeploy.report.history import NONE_YET, History
+from sparkdeploy.spec.plan import Plan, make_plan
+from sparkdeploy.spec.project import find_recipe_by_name
+from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.steps.readiness_gate import probe_endpoint
 from sparkdeploy.units import human_duration
 
@@ -142,7 +142,7 @@ def _not_ours(node: str, container: ContainerInfo, problems: list[str]) -> Deplo
 
 def replan(cluster: Cluster, containers: list[ContainerInfo]) -> Plan:
     """The plan a deployment's containers were started from, read back from their labels
-    (checked with sparkdeploy.model.labels.label_problems); SparkDeployError when they do not
+    (checked with sparkdeploy.spec.labels.label_problems); SparkDeployError when they do not
     re-plan to their own deployment id."""
     ordered = sorted(containers, key=lambda c: int(c.labels[RANK_LABEL]))
     deployment_id = ordered[0].labels[DEPLOYMENT_LABEL]

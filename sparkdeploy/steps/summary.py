@@ -10,8 +10,8 @@ from contextlib import contextmanager
 
 from pydantic import BaseModel
 
-from sparkdeploy.model.memory import FitReport
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.memory import FitReport
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.readiness_gate import TimelineEntry
 from sparkdeploy.steps.smoke_test import CANARIES
 

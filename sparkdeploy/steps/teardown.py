@@ -4,7 +4,7 @@ Each container's whole log (stdout and stderr merged in time order, with docker'
 goes to `<runs_dir>/<deployment id>/<node>.log` as the flow host sees the NAS, before the
 container is removed; an earlier log of that node moves aside to `<node>.<n>.log`. A container
 without our labels is never listed, so never touched; one whose labels do not have our form
-(sparkdeploy.model.labels: anyone can label a container) is reported and left alone, so a label
+(sparkdeploy.spec.labels: anyone can label a container) is reported and left alone, so a label
 never becomes a path. Running it again finds nothing: a no-op.
 The node locks are released by the caller (tasks/teardown.py) once the containers are gone.
 
@@ -24,14 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparkdeploy.errors import TeardownError
-from sparkdeploy.model.labels import (
-    DEPLOYMENT_LABEL,
-    RECIPE_LABEL,
-    deployment_id_problem,
-    deployment_recipe,
-    label_problems,
-)
-from sparkdeploy.model.plan import SPEC_LABEL
 from sparkdeploy.remote.docker_cli import (
     ContainerInfo,
     Log,
@@ -42,6 +34,14 @@ from sparkdeploy.remote.docker_cli import (
     remove_containers,
 )
 from sparkdeploy.remote.ssh import SshTarget
+from sparkdeploy.spec.labels import (
+    DEPLOYMENT_LABEL,
+    RECIPE_LABEL,
+    deployment_id_problem,
+    deployment_recipe,
+    label_problems,
+)
+from sparkdeploy.spec.plan import SPEC_LABEL
 
 LOG_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 20

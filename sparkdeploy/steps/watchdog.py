@@ -15,7 +15,6 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from sparkdeploy.errors import DeploymentDown
-from sparkdeploy.model.plan import Plan
 from sparkdeploy.remote.docker_cli import (
     DEPLOYMENT_LABEL,
     ContainerInfo,
@@ -25,6 +24,7 @@ from sparkdeploy.remote.docker_cli import (
     on_nodes,
 )
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.hold_nodes import NodeHolder
 from sparkdeploy.steps.readiness_gate import classify_log, strip_log_prefix
 from sparkdeploy.steps.status import DeploymentStatus

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparkdeploy.model.cluster import Cluster
-from sparkdeploy.model.plan import Plan
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.spec.cluster import Cluster
+from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.prefetch import HubAccess
 from sparkdeploy.steps.prefetch.preview import RepoAction, RepoPreview, preview_repos
 from sparkdeploy.steps.prefetch.selection import FileSelection

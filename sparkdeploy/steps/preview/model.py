@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from sparkdeploy.model.cluster import Cluster, Node
 from sparkdeploy.report.markdown import markdown_table
+from sparkdeploy.spec.cluster import Cluster, Node
 from sparkdeploy.units import human_bytes, human_duration
 
 # The steps a preview reads, in the deploy's order.
@@ -62,7 +62,7 @@ def _slowest(first: Rate, second: Rate) -> Rate:
 
 @dataclass(frozen=True)
 class Rates:
-    """The rates of a cluster's transfers, from its inventory (sparkdeploy.model.cluster)."""
+    """The rates of a cluster's transfers, from its inventory (sparkdeploy.spec.cluster)."""
 
     download: Rate  # hub -> NAS, on the flow host
     nas_read: Rate  # NAS -> flow host or node

@@ -20,8 +20,6 @@ import httpx
 from prefect.exceptions import PrefectHTTPStatusError
 
 from sparkdeploy.errors import SparkDeployError, StagingError
-from sparkdeploy.model.labels import DEPLOYMENT_LABEL, label_problems
-from sparkdeploy.model.plan import EngramStage, NodePlan, Plan
 from sparkdeploy.node import engram
 from sparkdeploy.node import hfcache as node_hfcache
 from sparkdeploy.node import stage_engram as node_staging
@@ -40,6 +38,8 @@ from sparkdeploy.remote.node_script import (
     last_json_line,
 )
 from sparkdeploy.remote.ssh import SshTarget
+from sparkdeploy.spec.labels import DEPLOYMENT_LABEL, label_problems
+from sparkdeploy.spec.plan import EngramStage, NodePlan, Plan
 from sparkdeploy.steps.hold_nodes import NodeHolder, ended_runs, holder_decision, holders
 from sparkdeploy.steps.image import (
     CONTEXT_LABEL,

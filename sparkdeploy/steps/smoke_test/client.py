@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from sparkdeploy.model.plan import Plan
 from sparkdeploy.remote import engine_http
+from sparkdeploy.spec.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sparkdeploy.errors import RecipeError, SparkDeployError
-from sparkdeploy.model.cluster import load_cluster
-from sparkdeploy.model.plan import Plan, make_plan
-from sparkdeploy.model.recipe import Recipe, load_recipe, recipe_id_for, recipe_paths
-from sparkdeploy.model.tomlfile import load_toml
+from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.plan import Plan, make_plan
+from sparkdeploy.spec.recipe import Recipe, load_recipe, recipe_id_for, recipe_paths
+from sparkdeploy.spec.tomlfile import load_toml
 
 ROOT_ENV = "SPARKDEPLOY_ROOT"
 LAB_ROOT_ENV = "SPARKDEPLOY_LAB_ROOT"
@@ -36,7 +36,7 @@ def lab_root() -> Path:
 
 
 def variants_dir() -> Path:
-    """Where the compare flow writes recipe variants (sparkdeploy.model.recipe_variant) on the flow
+    """Where the compare flow writes recipe variants (sparkdeploy.spec.recipe_variant) on the flow
     host: SPARKDEPLOY_VARIANTS_DIR, else ~/.cache/sparkdeploy/variants."""
     configured = os.environ.get(VARIANTS_DIR_ENV)
     return Path(configured) if configured else Path.home() / ".cache" / "sparkdeploy" / "variants"

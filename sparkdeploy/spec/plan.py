@@ -3,7 +3,7 @@
 `make_plan(recipe, cluster, nodes)` is pure: the same inputs give the same plan (and the same
 deployment id), so a plan can be shown, diffed and tested before anything runs. Its only reads
 are of inputs: a local file's kind from the NAS cache when this host sees it, and an ops host
-local file's sha256 (sparkdeploy.model.local_files). Every model here
+local file's sha256 (sparkdeploy.spec.local_files). Every model here
 is plain data (JSON-able, picklable) so Prefect tasks can pass it around.
 """
 
@@ -20,11 +20,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from sparkdeploy.errors import PlanError, RecipeError
-from sparkdeploy.model.cluster import Cluster, GidIndex, Node, RoceHcas
-from sparkdeploy.model.local_files import Kind, local_file_kind
-from sparkdeploy.model.memory import EngineMemory, FitReport, NodeMemory, read_memory_flags
-from sparkdeploy.model.recipe import MarkerSpec, Recipe, RepoRef, SmokeOptions
 from sparkdeploy.secrecy import FLAG_ENV, Secret, keyed_digest
+from sparkdeploy.spec.cluster import Cluster, GidIndex, Node, RoceHcas
+from sparkdeploy.spec.local_files import Kind, local_file_kind
+from sparkdeploy.spec.memory import EngineMemory, FitReport, NodeMemory, read_memory_flags
+from sparkdeploy.spec.recipe import MarkerSpec, Recipe, RepoRef, SmokeOptions
 from sparkdeploy.units import GIB
 from sparkdeploy.vllm.args import argv_has_flag
 from sparkdeploy.vllm.markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
@@ -138,7 +138,7 @@ class PlainStage(_Data):
 
 
 class LocalFileKind(_Data):
-    """What a local file is staged as, and the rule that decided (sparkdeploy.model.local_files)."""
+    """What a local file is staged as, and the rule that decided (sparkdeploy.spec.local_files)."""
 
     dest: str
     kind: Kind

@@ -2,8 +2,8 @@
 
 A compare's side may be "recipe X with --max-num-seqs 4" (sparkdeploy.steps.compare.CompareSide).
 The variant is a real recipe file, `<variants dir>/<X>.<hash>/recipe.toml` on the flow host
-(sparkdeploy.model.project.variants_dir), so every step deploys, plans, tears down and shows it like
-any recipe, and it is loaded (every check of sparkdeploy.model.recipe run) before anything is
+(sparkdeploy.spec.project.variants_dir), so every step deploys, plans, tears down and shows it like
+any recipe, and it is loaded (every check of sparkdeploy.spec.recipe run) before anything is
 deployed. Its name is X's with a hash of the overrides: the same overrides give the same file
 (written again only when its text changes), a deployment id of its own, and a name a container
 label can carry. It holds what the recipe holds, secrets too, so it is readable by its owner
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkdeploy.errors import CompareError, RecipeError
-from sparkdeploy.model.recipe import Recipe, load_recipe, recipe_id_for
+from sparkdeploy.spec.recipe import Recipe, load_recipe, recipe_id_for
 from sparkdeploy.vllm.args import VllmArgs, canonical_flag, parse_args
 
 

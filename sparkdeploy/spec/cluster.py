@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sparkdeploy.errors import InventoryError, PlanError
-from sparkdeploy.model.tomlfile import (
+from sparkdeploy.spec.tomlfile import (
     KeyPath,
     TomlDocument,
     format_key,

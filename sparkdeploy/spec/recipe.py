@@ -15,8 +15,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from sparkdeploy.errors import RecipeError
-from sparkdeploy.model.memory import read_memory_flags
-from sparkdeploy.model.tomlfile import KeyPath, format_key, load_toml, validate_document
 from sparkdeploy.secrecy import (
     API_KEY_ENV,
     API_KEY_FLAG,
@@ -25,6 +23,8 @@ from sparkdeploy.secrecy import (
     is_secret_name,
     unsafe_value_problem,
 )
+from sparkdeploy.spec.memory import read_memory_flags
+from sparkdeploy.spec.tomlfile import KeyPath, format_key, load_toml, validate_document
 from sparkdeploy.vllm.args import VllmArgs, is_flag, normalise_args, parse_args
 
 DEFAULT_API_PORT = 8000
@@ -117,7 +117,7 @@ class ComposedLocalFile(_Strict):
     # From the ops host (the flow host), relative to the recipe dir; None: the file of the same
     # name in the composed source's snapshot in the NAS cache.
     from_file: str | None = None
-    # None: decided by the plan (sparkdeploy.model.local_files).
+    # None: decided by the plan (sparkdeploy.spec.local_files).
     kind: Literal["engram", "plain"] | None = None
 
 

@@ -25,9 +25,9 @@ import posixpath
 from typing import Any, Literal
 
 from sparkdeploy.errors import EngramError
-from sparkdeploy.model.recipe import ComposedLocalFile, RepoRef
 from sparkdeploy.node.engram import EngramGeometry, read_safetensors_header, weight_tensor_name
 from sparkdeploy.node.hfcache import SnapshotNotFound, resolve_snapshot
+from sparkdeploy.spec.recipe import ComposedLocalFile, RepoRef
 
 Kind = Literal["engram", "plain"]
 

@@ -1,7 +1,7 @@
 """What a deployment asks of each node's memory, and what the fit check found (plain data).
 
 `read_memory_flags` reads the recipe's vLLM flags and env that size the engine's memory, the way
-vLLM reads them; the plan (sparkdeploy.model.plan) carries the result with each node's memory from
+vLLM reads them; the plan (sparkdeploy.spec.plan) carries the result with each node's memory from
 the inventory; sparkdeploy.steps.fit sets them against the model's sizes before anything is put on a
 node, and the preflight (sparkdeploy.steps.boot) against the free memory a node has. How the figures
 add up, and where vLLM says so: docs/field.md#memory-fit.
@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from sparkdeploy.model.tomlfile import KeyPath
+from sparkdeploy.spec.tomlfile import KeyPath
 from sparkdeploy.units import GIB, human_bytes
 from sparkdeploy.vllm.args import VllmArgs
 

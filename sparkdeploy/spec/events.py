@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sparkdeploy.model.plan import Plan
+from sparkdeploy.spec.plan import Plan
 
 UNHEALTHY = "sparkdeploy.deployment.unhealthy"
 HEALTHY = "sparkdeploy.deployment.healthy"
@@ -48,8 +48,8 @@ def health_event(plan: Plan, cluster: str, health: Health) -> dict[str, Any]:
         "resource": {
             "prefect.resource.id": resource_id(plan.deployment_id),
             "prefect.resource.name": plan.deployment_id,
-            "sparkdeploy.model.recipe": plan.recipe,
-            "sparkdeploy.model.cluster": plan.cluster,
+            "sparkdeploy.spec.recipe": plan.recipe,
+            "sparkdeploy.spec.cluster": plan.cluster,
             "sparkdeploy.nodes": ",".join(nodes),
             "sparkdeploy.node": health.node,
         },
