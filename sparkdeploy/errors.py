@@ -117,7 +117,7 @@ class ImageError(SparkDeployError):
     """An engine image cannot be put on every node, or the nodes end up with different images."""
 
 
-class BootError(SparkDeployError):
+class ContainerStartError(SparkDeployError):
     """Containers cannot be started: a node failed preflight, or `docker run` was refused."""
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from lab.cluster import Lab
-from sparkdeploy.errors import BootError
+from sparkdeploy.errors import ContainerStartError
 from sparkdeploy.node.probe import detect_roce, ipv4_of_gid
 from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import plan_targets
@@ -290,7 +290,7 @@ def test_preflight_refuses_a_missing_image_before_starting_anything(
     lab_cluster: Lab,
 ) -> None:
     plan = _lab_plan(lab_cluster, "lab/never-pulled:1")
-    with pytest.raises(BootError) as caught:
+    with pytest.raises(ContainerStartError) as caught:
         boot(plan)
     message = str(caught.value)
     for node in lab_cluster.nodes:

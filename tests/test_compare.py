@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.errors import BootError, BootFailed, CompareError
+from sparkdeploy.errors import BootFailed, CompareError, ContainerStartError
 from sparkdeploy.spec.cluster import Cluster, load_cluster
 from sparkdeploy.spec.recipe import load_recipe
 from sparkdeploy.spec.recipe_variant import write_variant
@@ -385,9 +385,11 @@ def test_a_failed_side_is_named_and_the_other_is_still_shown(
     assert "FAILED at deploy: engine_core_init_failed: RuntimeError: x (on dgx1)" in markdown
     assert "[side A](http://ui/runs/flow-run/1)" in markdown
     assert "data:image/svg+xml;base64," in markdown  # A's curves alone
-    preflight = BootError("deployment d: preflight failed:\nnode dgx1: 14 GiB free of 23 GiB")
+    preflight = ContainerStartError(
+        "deployment d: preflight failed:\nnode dgx1: 14 GiB free of 23 GiB"
+    )
     assert failure_cause(preflight) == (
-        "BootError: deployment d: preflight failed: node dgx1: 14 GiB free of 23 GiB"
+        "ContainerStartError: deployment d: preflight failed: node dgx1: 14 GiB free of 23 GiB"
     )
     smoke_failed = SideOutcome("B", summary(10.0), smoke(garbled=True), failed_at="smoke")
     assert (

@@ -15,7 +15,7 @@ from lab.cluster import Lab
 from lab.inventory import LAB_NODE_MEMORY_GIB
 from lab.models import publish_lab_models
 from lab.tinymodel import generate_repo
-from sparkdeploy.errors import BootError, DoesNotFit
+from sparkdeploy.errors import ContainerStartError, DoesNotFit
 from sparkdeploy.remote.ssh import cached_connection, close_cached
 from sparkdeploy.remote.targets import node_target
 from sparkdeploy.spec.project import load_plan
@@ -73,7 +73,7 @@ def test_a_node_short_of_the_free_memory_the_recipe_wants_is_refused_at_prefligh
     big = lab_cluster.inventory_path.with_name("cluster-1000g.toml")
     big.write_text(text.replace(declared, "memory_gib = 1000.0"))
     try:
-        with pytest.raises(BootError) as refused:
+        with pytest.raises(ContainerStartError) as refused:
             deploy("lab-single", cluster=str(big), skip=["smoke-test"])
         message = str(refused.value)
         assert "node node1: " in message

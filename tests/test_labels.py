@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lab.cluster import Lab
-from sparkdeploy.errors import BootError, SparkDeployError, TeardownError
+from sparkdeploy.errors import ContainerStartError, SparkDeployError, TeardownError
 from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.labels import (
@@ -139,7 +139,9 @@ def test_hostile_labels_cannot_steer_teardown_status_or_boot(
             load_cluster(lab_cluster.inventory_path),
             [node],
         )
-        with pytest.raises(BootError, match="hostile-live of deployment lab-live-0badc0de"):
+        with pytest.raises(
+            ContainerStartError, match="hostile-live of deployment lab-live-0badc0de"
+        ):
             stop_stale(plan, [node], held_by={node: "lab-live-0badc0de"})
         assert all(exists(name) for name in HOSTILE)
 

@@ -14,7 +14,7 @@ from pydantic import SecretStr
 from typer.testing import CliRunner
 
 from sparkdeploy.cli import app
-from sparkdeploy.errors import BootError, RecipeError
+from sparkdeploy.errors import ContainerStartError, RecipeError
 from sparkdeploy.remote.ssh import CommandResult
 from sparkdeploy.report.recipe_diff import diff_recipes
 from sparkdeploy.secrecy import is_secret_flag, is_secret_name, redact
@@ -288,7 +288,7 @@ def test_a_failed_run_removes_the_env_file_and_its_error_names_no_secret(
     secret_plan: Plan, tmp_path: Path
 ) -> None:
     runner = RecordingRunner(tmp_path, exit_code=125)
-    with pytest.raises(BootError) as failed:
+    with pytest.raises(ContainerStartError) as failed:
         boot._run(runner, secret_plan.nodes[0], {})  # type: ignore[arg-type]
     message = str(failed.value)
     assert "exited 125" in message and "mode 600" in message  # the stub's stderr, quoted

@@ -12,9 +12,9 @@
 2. where there are stale containers, those of this deployment (a stale copy of itself) and
    those whose deployment no longer holds the node go (their logs saved like teardown saves
    them), and those nodes are probed again, since the memory the stale ones held is free now.
-   A container of a deployment that holds the node is a BootError naming it; one whose labels
-   are not of our form (sparkdeploy.spec.labels) is reported and left alone; others' containers are
-   never touched. Every node's problems are then reported together.
+   A container of a deployment that holds the node is a ContainerStartError naming it; one whose
+   labels are not of our form (sparkdeploy.spec.labels) is reported and left alone; others'
+   containers are never touched. Every node's problems are then reported together.
 3. "auto" HCAs / GID index resolved from the node's sysfs (unset, and logged, without RDMA).
 4. containers started, once every old one is gone: the head and the workers (--headless) all
    at once (vLLM's mp backend: a headless worker retries its connection to the head until the
@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkdeploy.errors import BootError
+from sparkdeploy.errors import ContainerStartError
 from sparkdeploy.remote.docker_cli import (
     ContainerInfo,
     Log,
@@ -228,7 +228,7 @@ def _probe_nodes(plan: Plan, names: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 def _judge(plan: Plan, answers: Mapping[str, dict[str, Any]], *, log: Log) -> dict[str, NodeCheck]:
-    """BootError listing every node's problems, else each node's facts (logged)."""
+    """ContainerStartError listing every node's problems, else each node's facts (logged)."""
     by_name = {node.node: node for node in plan.nodes}
     problems = []
     checks = {}
@@ -271,7 +271,7 @@ def _judge(plan: Plan, answers: Mapping[str, dict[str, Any]], *, log: Log) -> di
             " images boot and hang; run the image step again"
         )
     if problems:
-        raise BootError(
+        raise ContainerStartError(
             f"deployment {plan.deployment_id}: preflight failed:\n" + "\n".join(problems)
         )
     for name, node_check in checks.items():
@@ -306,7 +306,7 @@ def stop_stale(
 
     `held_by`: node -> the deployment its node lock names (sparkdeploy.steps.hold_nodes.holders);
     None when the caller holds every node for this deployment. A container of a deployment that
-    holds its node is a BootError naming it, raised before anything is stopped.
+    holds its node is a ContainerStartError naming it, raised before anything is stopped.
     """
     targets = {name: plan_targets(plan)[name] for name in nodes}
 
@@ -324,7 +324,7 @@ def stop_stale(
         if not label_problems(container.labels, node) and live(node, container)
     ]
     if blocking:
-        raise BootError(
+        raise ContainerStartError(
             f"deployment {plan.deployment_id}: another live deployment is on its nodes:\n"
             + "\n".join(blocking)
             + "\ntear that deployment down (the teardown flow) or choose other nodes"
@@ -368,7 +368,7 @@ def _run(
     else:
         result = docker(runner, argv[1:], timeout=RUN_TIMEOUT_S)
     if result.exit_code != 0:
-        raise BootError(
+        raise ContainerStartError(
             f"node {node.node}: `docker run` of {spec.name} exited {result.exit_code}:"
             f" {redact(stderr_text(result), spec.secret_env.values())}; a name conflict means a"
             " container of that name that is not ours exists there: remove or rename it"
