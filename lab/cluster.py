@@ -131,8 +131,10 @@ class Lab:
         return self.layout.hub_repos_dir
 
     def up(self) -> float:
-        """Bring the lab up; returns the seconds it took. Remains of a crashed lab go first."""
+        """Bring the lab up; returns the seconds it took. Remains of a crashed lab go first, but
+        never a lab that a live process brought up (its tests or bench would fail under it)."""
         started = time.monotonic()
+        self._refuse_if_in_use()
         _check_prerequisites()
         self.down()
         check_subnet_is_free(self.layout)
@@ -141,10 +143,34 @@ class Lab:
             create_network(self.layout)
             lab_daemons.start_daemons(self.layout)
             write_inventory(self.layout)
+            self._owner_file.write_text(f"{os.getpid()}\n")
         except BaseException:
             self.down()
             raise
         return time.monotonic() - started
+
+    @property
+    def _owner_file(self) -> Path:
+        # In the state dir: `down` removes it with the rest.
+        return self.layout.state_dir / "owner.pid"
+
+    def _refuse_if_in_use(self) -> None:
+        try:
+            owner = int(self._owner_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return
+        if owner == os.getpid() or not alive(owner):
+            return
+        try:
+            command = Path(f"/proc/{owner}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            command = "?"
+        raise LabError(
+            f"lab {self.name!r} is up and in use by process {owner} ({command.strip()[:120]}):"
+            " bringing it up again would tear it down under that process. Give this one another"
+            " name (SPARKDEPLOY_TEST_LAB for the tests, --name for `python -m lab up`), or stop"
+            f" process {owner} first."
+        )
 
     def down(self) -> float:
         """Remove every trace of the lab (also of a crashed one); returns the seconds it took."""

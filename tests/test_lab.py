@@ -8,6 +8,8 @@ import io
 import json
 import os
 import secrets
+import subprocess
+import sys
 import tarfile
 import time
 import urllib.error
@@ -82,6 +84,22 @@ def test_down_returns_once_every_process_of_the_lab_has_exited() -> None:
         lab.down()
     assert _running_in(netns_inodes, lab.layout.cgroup_prefix) == []
     assert lab.remains() == []
+
+
+def test_a_lab_in_use_is_not_brought_up_again_under_its_owner(lab_cluster: Lab) -> None:
+    """Two sessions with one lab name: the second's `up` would remove the first's lab as the
+    remains of a crashed one; it is refused instead, naming the owner, and the lab lives on."""
+    second = subprocess.run(
+        [sys.executable, "-c", f"from lab.cluster import Lab; Lab({lab_cluster.name!r}, 3).up()"],
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_S,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert second.returncode != 0
+    assert f"is up and in use by process {os.getpid()}" in second.stderr
+    assert "SPARKDEPLOY_TEST_LAB" in second.stderr
+    assert run(lab_cluster, lab_cluster.nodes[0], "hostname").strip() == lab_cluster.nodes[0]
 
 
 def test_inventory_loads_and_names_every_node(lab_cluster: Lab) -> None:
