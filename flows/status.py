@@ -1,4 +1,6 @@
-"""The `status` flow: what runs on each node of a cluster, its health, since when."""
+"""The `status` flow: what runs on each node of a cluster; per deployment its health, healthy
+since, the sentinel's last probe, its last fault, repairs this hour, last smoke test and bytes on
+each node (a `status-<cluster>` markdown artifact)."""
 
 from __future__ import annotations
 

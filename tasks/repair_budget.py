@@ -21,9 +21,10 @@ from sparkdeploy.steps.repair_budget import (
     REPAIR_TAG,
     WINDOW,
     EarlierRepair,
+    deployment_tag,
     repair_refusal,
 )
-from tasks.runlabels import deployment_tag, tag_flow_run
+from tasks.runlabels import tag_flow_run
 
 
 @task(name="repair-budget", task_run_name="repair-budget {plan.deployment_id}")
@@ -35,7 +36,7 @@ def start_repair(plan: Plan, cause: str, *, per_hour: int) -> None:
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(
-                tags=FlowRunFilterTags(all_=[REPAIR_TAG, deployment_tag(plan)]),
+                tags=FlowRunFilterTags(all_=[REPAIR_TAG, deployment_tag(plan.deployment_id)]),
                 start_time=FlowRunFilterStartTime(after_=now - WINDOW),
             )
         )

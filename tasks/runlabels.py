@@ -8,17 +8,14 @@ from prefect import get_client
 from prefect.runtime import flow_run
 
 from sparkdeploy.spec.plan import Plan
-
-
-def deployment_tag(plan: Plan) -> str:
-    return f"deployment:{plan.deployment_id}"
+from sparkdeploy.steps.repair_budget import deployment_tag
 
 
 def run_tags(plan: Plan) -> list[str]:
     return [
         f"recipe:{plan.recipe}",
         f"cluster:{plan.cluster}",
-        deployment_tag(plan),
+        deployment_tag(plan.deployment_id),
         *(f"node:{node.node}" for node in plan.nodes),
     ]
 

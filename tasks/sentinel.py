@@ -1,14 +1,17 @@
 """Prefect task of the sentinel: the cluster's deployments probed every few seconds for a
-bounded time, a transition to unhealthy (or back) a Prefect event (logic in
-sparkdeploy.steps.sentinel; the events are the watchdog's, sparkdeploy.spec.events)."""
+bounded time, a transition to unhealthy (or back) a Prefect event, the last probes a Prefect
+Variable for status (logic in sparkdeploy.steps.sentinel and sentinel_record; the events are the
+watchdog's, sparkdeploy.spec.events)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+import httpx
 from prefect import get_client, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.actions import VariableCreate, VariableUpdate
 from prefect.client.schemas.filters import (
     FlowFilter,
     FlowFilterName,
@@ -20,23 +23,41 @@ from prefect.client.schemas.objects import StateType
 from prefect.events import emit_event
 from prefect.logging import get_run_logger
 
+from sparkdeploy.remote.prefect_api import single_attempt_client
+from sparkdeploy.report.history import sentinel_variable
 from sparkdeploy.spec.cluster import Cluster, load_cluster
 from sparkdeploy.spec.events import Health, health_event
 from sparkdeploy.spec.plan import Plan
 from sparkdeploy.spec.project import find_cluster
 from sparkdeploy.steps.hold_nodes import ended_runs, holders
 from sparkdeploy.steps.sentinel import ProbeResult, WatchRecord, run_sentinel
+from sparkdeploy.steps.sentinel_record import ProbeLedger
 from sparkdeploy.steps.status import cluster_status
 
 # A teardown stops a deployment's containers (logs kept) before it removes them: from outside,
 # a head that exits. It holds no node lock then, so its flow run is what says it is under way.
 TEARDOWN_FLOW = "teardown"
 _GOING = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
+RECORD_TAGS = ["sparkdeploy", "sentinel"]
+
+
+def write_record(cluster: str, value: dict[str, Any]) -> None:
+    """The sentinel's record of the cluster into its Variable (sparkdeploy.steps.sentinel_record):
+    one request, sent once (the next write is at most 30 s away); the first one creates it."""
+    name = sentinel_variable(cluster)
+    with single_attempt_client() as client:
+        try:
+            client.update_variable(VariableUpdate(name=name, value=value))
+        except httpx.HTTPStatusError as error:
+            if error.response.status_code != 404:
+                raise
+            client.create_variable(VariableCreate(name=name, value=value, tags=RECORD_TAGS))
 
 
 class PrefectReporter:
-    """The sentinel's verdicts as the watchdog's events, its lines in the run's log; a deploy
-    holding a node of the deployment, or any teardown going, defers the verdict."""
+    """The sentinel's verdicts as the watchdog's events, its lines in the run's log, its last
+    probes in the cluster's record for status; a deploy holding a node of the deployment, or any
+    teardown going, defers the verdict. close() writes the record a last time."""
 
     def __init__(
         self, cluster: str, inventory: Cluster, logger: logging.Logger | logging.LoggerAdapter[Any]
@@ -44,6 +65,7 @@ class PrefectReporter:
         self._cluster = cluster  # as given: the repair deploys with the same name or path
         self._inventory = inventory
         self._logger = logger
+        self._ledger = ProbeLedger(self._write_record)
 
     def busy(self, plan: Plan) -> str | None:
         nodes = [node.node for node in plan.nodes]
@@ -84,8 +106,21 @@ class PrefectReporter:
         emit_event(**health_event(plan, self._cluster, health))
         self._logger.info("%s is healthy again", plan.deployment_id)
 
+    def probed(self, plan: Plan, result: ProbeResult, before: str, after: str) -> None:
+        self._ledger.probed(plan.deployment_id, result, before, after)
+
     def log(self, message: str) -> None:
         self._logger.info("%s", message)
+
+    def close(self) -> None:
+        self._ledger.close()
+
+    def _write_record(self, value: dict[str, Any]) -> None:
+        try:
+            write_record(self._inventory.name, value)
+        except Exception as error:
+            # The record is status's view; the probes and their events go on without it.
+            self._logger.warning("the sentinel's record for status was not written: %r", error)
 
 
 def watched_plans(inventory: Cluster) -> list[Plan]:
@@ -103,11 +138,11 @@ def watch_cluster(cluster: str, run_for_s: float) -> list[WatchRecord]:
     up, gone ones dropped), with one event per transition."""
     logger = get_run_logger()
     inventory = load_cluster(find_cluster(cluster))
-    records = run_sentinel(
-        lambda: watched_plans(inventory),
-        PrefectReporter(cluster, inventory, logger),
-        run_for_s=run_for_s,
-    )
+    reporter = PrefectReporter(cluster, inventory, logger)
+    try:
+        records = run_sentinel(lambda: watched_plans(inventory), reporter, run_for_s=run_for_s)
+    finally:
+        reporter.close()
     for record in records:
         logger.info(
             "%s: %d probes, %d unhealthy and %d recovered events%s",

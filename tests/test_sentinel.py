@@ -17,7 +17,7 @@ import yaml
 from sparkdeploy.remote.engine_http import KeepAlive
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import Plan, make_plan
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.steps.sentinel import (
     PROBE_INTERVAL_S,
     UNREACHABLE_GRACE_S,
@@ -52,7 +52,8 @@ def test_a_probe_is_judged_from_the_completion_and_the_containers() -> None:
         WORKER,
         "worker_died",
     )
-    assert "exit code 137" in worker_dead.cause and "refused" in worker_dead.cause
+    assert "exit code 137" in worker_dead.cause
+    assert "refused" in worker_dead.cause
     head_dead = classify(PLAN, "refused", {**running, HEAD: ("exited", 0)}, {})
     assert (head_dead.node, head_dead.kind) == (HEAD, "head_exited")
     failing = classify(PLAN, "answered 500", running, {})
@@ -80,6 +81,7 @@ class Recorder:
         self.busy_until = busy_until
         self.events: list[tuple[float, str]] = []
         self.lines: list[str] = []
+        self.probes: list[tuple[Outcome, str, str]] = []
 
     def busy(self, plan: Plan) -> str | None:
         return "a deploy holds node1" if self.clock() < self.busy_until else None
@@ -89,6 +91,9 @@ class Recorder:
 
     def recovered(self, plan: Plan) -> None:
         self.events.append((self.clock(), "recovered"))
+
+    def probed(self, plan: Plan, result: ProbeResult, before: str, after: str) -> None:
+        self.probes.append((result.outcome, before, after))
 
     def log(self, message: str) -> None:
         self.lines.append(message)
@@ -152,6 +157,11 @@ def test_recovered_once_after_two_good_probes_and_declared_again_if_it_dies_agai
     assert kinds == ["unhealthy requests_failing", "recovered", "unhealthy requests_failing"]
     recovered_at = recorder.events[1][0]
     assert 40 < recovered_at <= 40 + 2 * PROBE_INTERVAL_S + 0.1
+    # Every probe reaches the reporter (status's last probe), with the liveness it moved.
+    changes = [(before, after) for _, before, after in recorder.probes if before != after]
+    declared = [("healthy", "suspect"), ("suspect", "unhealthy")]
+    assert changes == [*declared, ("unhealthy", "healthy"), *declared]
+    assert len(recorder.probes) == 150 / PROBE_INTERVAL_S
 
 
 def test_a_link_back_within_30_s_is_left_alone_and_one_that_stays_down_is_declared() -> None:
@@ -170,7 +180,8 @@ def test_a_node_that_comes_back_showing_a_dead_engine_is_declared_at_once() -> N
         lambda t: UNREACHABLE if 60 <= t < 80 else FAILED if t >= 80 else OK, until=200
     )
     [(when, what)] = recorder.events
-    assert what == "unhealthy requests_failing" and 80 + 6 <= when <= 80 + DETECT_BUDGET_S
+    assert what == "unhealthy requests_failing"
+    assert 80 + 6 <= when <= 80 + DETECT_BUDGET_S
 
 
 def test_no_verdict_while_a_deploy_is_busy_with_it_then_one() -> None:
@@ -182,7 +193,9 @@ def test_no_verdict_while_a_deploy_is_busy_with_it_then_one() -> None:
 
 def test_a_deployment_gone_ends_its_watch_without_an_event() -> None:
     recorder, record = run_script(lambda t: GONE if t >= 30 else OK, until=300)
-    assert recorder.events == [] and record.gone
+    assert recorder.events == []
+    assert record.gone
+    assert recorder.probes[-1] == (Outcome.GONE, "healthy", "healthy")  # status forgets it
     assert record.probes == pytest.approx(30 / PROBE_INTERVAL_S + 1, abs=1)
 
 
@@ -223,7 +236,8 @@ def test_keep_alive_reuses_one_connection_and_survives_the_server_closing_it(
     assert len(set(_Handler.peers)) == 1  # one source port: one connection
     # The idle connection dies (as when the server's keep-alive timeout closes it): the
     # request is sent again on a new one.
-    assert http._connection is not None and http._connection.sock is not None
+    assert http._connection is not None
+    assert http._connection.sock is not None
     http._connection.sock.shutdown(2)
     assert http.request("POST", "/v1/completions", json_body={}).status == 200
     assert len(set(_Handler.peers)) == 2
@@ -240,7 +254,8 @@ def test_one_sentinel_per_cluster_is_kept_alive_by_its_schedule(
     a run due while one goes is cancelled: never two sentinels on a cluster."""
     deployments = yaml.safe_load((ROOT / prefect_file).read_text())["deployments"]
     [sentinel] = [d for d in deployments if d["entrypoint"] == "flows/sentinel.py:sentinel"]
-    assert sentinel["name"] == cluster and sentinel["parameters"]["cluster"] == cluster
+    assert sentinel["name"] == cluster
+    assert sentinel["parameters"]["cluster"] == cluster
     [schedule] = sentinel["schedules"]
     assert sentinel["parameters"]["run_for_s"] < schedule["interval"]
     assert sentinel["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}

@@ -22,6 +22,12 @@ REPAIR_NOT_NEEDED_TAG = "repair-not-needed"
 WINDOW = timedelta(hours=1)
 
 
+def deployment_tag(deployment_id: str) -> str:
+    """The tag every flow run of a deployment carries (tasks/runlabels.py): with REPAIR_TAG, it
+    finds the deployment's repairs."""
+    return f"deployment:{deployment_id}"
+
+
 @dataclass(frozen=True)
 class EarlierRepair:
     flow_run_name: str

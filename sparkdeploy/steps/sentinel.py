@@ -36,11 +36,10 @@ from typing import Protocol
 import paramiko
 
 from sparkdeploy.errors import RemoteError
-from sparkdeploy.remote.engine_http import KeepAlive
+from sparkdeploy.remote.engine_http import COMPLETION_PROMPT, KeepAlive
 from sparkdeploy.remote.ssh import Connection, connect
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.spec.plan import Plan
-from sparkdeploy.steps.readiness_gate import COMPLETION_PROMPT
 
 # Probe every 3 s; a failure shows within one probe (refused, 5xx, a container exited: well under
 # a second; a hung engine: the timeout), so a fault is declared 6 s after the first failed probe
@@ -317,6 +316,11 @@ class Reporter(Protocol):
 
     def recovered(self, plan: Plan) -> None: ...
 
+    def probed(self, plan: Plan, result: ProbeResult, before: str, after: str) -> None:
+        """A probe's outcome, the deployment's liveness state before and after it (status
+        shows the last one: sparkdeploy.steps.sentinel_record)."""
+        ...
+
     def log(self, message: str) -> None: ...
 
 
@@ -356,6 +360,7 @@ def watch(
         now = clock()
         record.probes += 1
         if result.outcome is Outcome.GONE:
+            reporter.probed(plan, result, liveness.state, liveness.state)
             reporter.log(f"{plan.deployment_id}: gone ({result.cause}); no longer watched")
             record.gone = True
             return
@@ -375,6 +380,7 @@ def watch(
         elif verdict is Verdict.RECOVERED:
             reporter.recovered(plan)
             record.recovered_events += 1
+        reporter.probed(plan, result, before, liveness.state)
         if liveness.state != before:
             reporter.log(f"{plan.deployment_id}: {before} -> {liveness.state}: {result.cause}")
         next_at = max(next_at + interval_s, clock())

@@ -18,8 +18,8 @@ from datetime import datetime
 
 from sparkdeploy.errors import SparkDeployError
 from sparkdeploy.remote.docker_cli import ContainerInfo, list_containers, on_nodes
+from sparkdeploy.remote.engine_http import probe_endpoint
 from sparkdeploy.remote.targets import cluster_targets
-from sparkdeploy.report.history import NONE_YET, History
 from sparkdeploy.spec.cluster import Cluster
 from sparkdeploy.spec.labels import (
     DEPLOYMENT_LABEL,
@@ -30,9 +30,7 @@ from sparkdeploy.spec.labels import (
 )
 from sparkdeploy.spec.plan import Plan, make_plan
 from sparkdeploy.spec.project import find_recipe_by_name
-from sparkdeploy.spec.recipe import load_recipe
-from sparkdeploy.steps.readiness_gate import probe_endpoint
-from sparkdeploy.units import human_duration
+from sparkdeploy.spec.recipe_loading import load_recipe
 
 HEALTH_TIMEOUT_S = 3.0
 
@@ -57,6 +55,8 @@ class DeploymentStatus:
     health: str  # what the endpoint said, or why it was not asked
     # For an orphan (its recipe can no longer plan it): the command that tears it down.
     teardown_command: str | None = None
+    # False for a container labelled as ours whose labels are not of our form.
+    ours: bool = True
 
     @property
     def endpoint(self) -> str | None:
@@ -76,48 +76,29 @@ class DeploymentStatus:
             return self.health
         return f"{self.health}; tear it down with `{self.teardown_command}`"
 
-    def uptime(self, now: datetime) -> str:
-        """How long its oldest container has run (docker's StartedAt), or why it does not run."""
-        stopped = [c for c in self.containers if c.status != "running"]
-        if stopped:
-            return ", ".join(f"{c.node} {c.status} ({c.exit_code})" for c in stopped)
+    @property
+    def started(self) -> datetime | None:
+        """When the last of its containers started (docker's StartedAt): the deployment has been
+        whole since. None when one of them does not run, or a start time cannot be read."""
+        if any(c.status != "running" for c in self.containers):
+            return None
         try:
-            started = datetime.fromisoformat(self.since)
+            return max(datetime.fromisoformat(c.started_at) for c in self.containers)
         except ValueError:
-            return "unknown"
-        return human_duration((now - started).total_seconds())
+            return None
 
-    def rows(self, now: datetime, history: History | None = None) -> list[dict[str, str]]:
-        """One row per container; the deployment's own columns (health, uptime, last smoke
-        test, last event) on its head's row."""
-        return [
-            {
-                "deployment": self.deployment_id,
-                "recipe": self.recipe,
-                "node": c.node,
-                "rank": str(c.rank),
-                "container": c.name,
-                "state": c.status if c.status == "running" else f"{c.status} ({c.exit_code})",
-                "since": c.started_at,
-                "health": self.health_and_fix if c.rank == 0 else "",
-                "uptime": self.uptime(now) if c.rank == 0 else "",
-                "last smoke test": (history.last_smoke if history else NONE_YET)
-                if c.rank == 0
-                else "",
-                "last event": (history.last_event if history else NONE_YET) if c.rank == 0 else "",
-            }
+    @property
+    def health_text(self) -> str:
+        """`healthy`, or NOT healthy with the containers that do not run and what the endpoint
+        said (or why it was not asked)."""
+        if self.healthy:
+            return "healthy"
+        stopped = [
+            f"{c.node}'s container {c.status} ({c.exit_code})"
             for c in self.containers
+            if c.status != "running"
         ]
-
-    def line(self, now: datetime, history: History | None = None) -> str:
-        """The deployment in one line, for the CLI."""
-        nodes = ",".join(self.nodes)
-        state = "healthy" if self.healthy else f"NOT healthy ({self.health_and_fix})"
-        return (
-            f"{self.deployment_id} ({self.recipe}) on {nodes}: {state}; up {self.uptime(now)};"
-            f" last smoke test: {history.last_smoke if history else NONE_YET};"
-            f" last event: {history.last_event if history else NONE_YET}"
-        )
+        return "NOT healthy: " + "; ".join([*stopped, self.health_and_fix])
 
 
 def _not_ours(node: str, container: ContainerInfo, problems: list[str]) -> DeploymentStatus:
@@ -137,6 +118,7 @@ def _not_ours(node: str, container: ContainerInfo, problems: list[str]) -> Deplo
         plan=None,
         healthy=False,
         health=f"labels are not ours ({'; '.join(problems)}): not re-planned, left alone",
+        ours=False,
     )
 
 
