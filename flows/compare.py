@@ -1,5 +1,7 @@
-"""The `compare` flow: two sides (recipes, or a recipe with overrides) deployed, smoke-tested,
-benchmarked and torn down, then side by side with a verdict per row (sparkdeploy.steps.compare).
+"""The `compare` flow: two sides (recipes, or a recipe with overrides: flags, env, image,
+checkpoint) deployed, smoke-tested, quality-gated (when a recipe has [quality]), benchmarked and
+torn down, then side by side with a verdict per row and, when asked, a ship rule's verdict
+(sparkdeploy.steps.compare).
 
 Each side is a `compare-side` subflow run, linked from the comparison's artifact. On disjoint
 nodes the two run at once, each in its own thread with a copy of the flow's context (so each is
@@ -14,22 +16,15 @@ import contextvars
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from prefect import flow
-from prefect.states import State
+from prefect import State, flow
 from pydantic import Field
 
 from flows.deploy import deploy
 from sparkdeploy.errors import CompareError
+from sparkdeploy.report.verdicts import NoiseRule
 from sparkdeploy.steps.benchmark import DEFAULT_SETTINGS, BenchmarkSettings
-from sparkdeploy.steps.compare import (
-    CompareSide,
-    Comparison,
-    NoiseRule,
-    Placement,
-    PreparedSide,
-    SideOutcome,
-    smoke_failure,
-)
+from sparkdeploy.steps.compare import CompareSide, Comparison, Placement, PreparedSide
+from sparkdeploy.steps.compare_outcome import SideOutcome, smoke_failure
 from tasks.artifacts import artifacts_written
 from tasks.benchmark import benchmark_deployment
 from tasks.compare import (
@@ -39,6 +34,7 @@ from tasks.compare import (
     state_failure,
 )
 from tasks.plan import plan_deployment
+from tasks.quality import quality_gate
 from tasks.smoke_test import smoke_test
 from tasks.teardown import teardown_deployment
 
@@ -56,13 +52,15 @@ def compare_side(
     nodes: list[str],
     settings: BenchmarkSettings,
     lock_timeout_s: float = 600.0,
+    quality_repeats: int = 1,
 ) -> SideOutcome:
-    """One side: deploy (its own smoke test skipped), smoke test, benchmark, teardown."""
+    """One side: deploy (its own smoke test and quality gate skipped), smoke test, the quality
+    gate's evals `quality_repeats` times when the recipe has [quality], benchmark, teardown."""
     deployed: State[Any] = deploy(
         recipe,
         cluster,
         nodes,
-        skip=["smoke-test"],
+        skip=["smoke-test", "quality-gate"],
         lock_timeout_s=lock_timeout_s,
         return_state=True,
     )
@@ -75,13 +73,22 @@ def compare_side(
         smoke = smoke_test(plan, raise_on_failure=False)
         if not smoke.passed:
             return SideOutcome(label, summary, smoke, failed_at="smoke", cause=smoke_failure(smoke))
+        quality = []
+        for _ in range(quality_repeats if plan.quality else 0):
+            gated: State[Any] = quality_gate(plan, raise_on_failure=False, return_state=True)
+            if not gated.is_completed():
+                cause = state_failure(gated)
+                return SideOutcome(label, summary, smoke, failed_at="quality", cause=cause)
+            quality.append(gated.result())
         measured: State[Any] = benchmark_deployment(
             plan, settings, f"side {label}: {plan.recipe}", return_state=True
         )
         if not measured.is_completed():
             cause = state_failure(measured)
-            return SideOutcome(label, summary, smoke, failed_at="benchmark", cause=cause)
-        return SideOutcome(label, summary, smoke, measured.result())
+            return SideOutcome(
+                label, summary, smoke, quality=tuple(quality), failed_at="benchmark", cause=cause
+            )
+        return SideOutcome(label, summary, smoke, measured.result(), tuple(quality))
     finally:
         teardown_deployment(plan)
 
@@ -89,8 +96,9 @@ def compare_side(
 @flow(
     name="compare",
     flow_run_name="compare {side_a.recipe} with {side_b.recipe} on {cluster}",
-    description="Two recipes (or one with args, env or image overridden) deployed, smoke-tested, "
-    "benchmarked and torn down; a side-by-side artifact with a verdict per row.",
+    description="Two recipes (or one with args, env, image or checkpoint overridden) deployed, "
+    "smoke-tested, quality-gated, benchmarked and torn down; a side-by-side artifact with a "
+    "verdict per row, and a ship rule's verdict when one is asked.",
     on_completion=[artifacts_written],
     on_failure=[artifacts_written],
 )
@@ -124,8 +132,23 @@ def compare(
     lock_timeout_s: float = Field(
         default=600.0, description="How long a side waits for its nodes if another holds them."
     ),
+    ship_if: str | None = Field(
+        default=None,
+        description='A ship rule for B, e.g. "quality>=88, decode@8192 not worse": conditions '
+        "joined by , or and; each an eval of B's [quality] (its name; quality: its only one) "
+        "or a figure at a context depth (decode@8192) or level (output@c4), with >= X, <= X, "
+        "> X, < X (B's value) or `not worse`, `better` (B against A within noise). Its verdict "
+        "heads the artifact; a rule it cannot read fails the run before anything deploys.",
+    ),
+    quality_repeats: int = Field(
+        default=2,
+        ge=1,
+        le=10,
+        description="Runs of the quality gate's evals per side (when its recipe has "
+        "[quality]): their spread is the noise an eval's verdict allows.",
+    ),
 ) -> Comparison:
-    prepared = prepare_comparison(side_a, side_b, cluster, placement)
+    prepared = prepare_comparison(side_a, side_b, cluster, placement, ship_if)
 
     def run(side: PreparedSide) -> SideOutcome:
         return outcome_of_run(
@@ -137,6 +160,7 @@ def compare(
                 side.nodes,
                 settings,
                 lock_timeout_s,
+                quality_repeats,
                 return_state=True,
             ),
         )

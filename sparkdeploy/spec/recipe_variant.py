@@ -1,10 +1,14 @@
-"""A recipe with some of its flags, env or image overridden, written out as a recipe of its own.
+"""A recipe with some of its flags, env, image or checkpoint overridden, written out as a recipe of
+its own.
 
-A compare's side may be "recipe X with --max-num-seqs 4" (sparkdeploy.steps.compare.CompareSide).
+A compare's side may be "recipe X with --max-num-seqs 4" (sparkdeploy.steps.compare.CompareSide),
+or recipe X serving another checkpoint: another model repo or another revision of its own
+(`swapped_checkpoint`; a composed source that is the model follows it, so the prefetch fetches,
+and the composed cache links, the new checkpoint).
 The variant is a real recipe file, `<variants dir>/<X>.<hash>/recipe.toml` on the flow host
 (sparkdeploy.spec.project.variants_dir), so every step deploys, plans, tears down and shows it like
-any recipe, and it is loaded (every check of sparkdeploy.spec.recipe run) before anything is
-deployed. Its name is X's with a hash of the overrides: the same overrides give the same file
+any recipe, and it is loaded (every check of sparkdeploy.spec.recipe_loading run) before anything
+is deployed. Its name is X's with a hash of the overrides: the same overrides give the same file
 (written again only when its text changes), a deployment id of its own, and a name a container
 label can carry. It holds what the recipe holds, secrets too, so it is readable by its owner
 alone (0600) and stays off the NAS. A side may also be a recipe as a git revision of the project
@@ -21,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from sparkdeploy.errors import CompareError, RecipeError
-from sparkdeploy.spec.recipe import Recipe, load_recipe, recipe_id_for
+from sparkdeploy.spec.recipe import Recipe
+from sparkdeploy.spec.recipe_loading import load_recipe, recipe_id_for
 from sparkdeploy.vllm.args import VllmArgs, canonical_flag, parse_args
 
 
@@ -100,6 +105,33 @@ def variant_name(recipe_id: str, overrides: Mapping[str, Any]) -> str:
     return f"{recipe_id[:31]}.{digest}"
 
 
+def swapped_checkpoint(
+    recipe: Recipe, model: str | None, model_revision: str | None
+) -> dict[str, Any]:
+    """The recipe's fields that name its checkpoint, with another one in its place: `model`
+    another repo (at `model_revision`, else its default branch: the recipe's pin is a commit of
+    the old repo), or `model_revision` alone the recipe's model at another revision. A composed
+    source that is the recipe's model becomes the new checkpoint too (the engine reads the
+    composed cache, not `model`); the parent model stays what it is."""
+    if model is None and model_revision is None:
+        return {}
+    repo = model or recipe.model
+    revision = model_revision
+    if revision is None and repo == recipe.model:
+        revision = recipe.model_revision
+    update: dict[str, Any] = {"model": repo, "model_revision": revision}
+    composed = recipe.composed_model
+    if composed is not None:
+        sources = [
+            source.model_copy(update={"repo": repo, "revision": revision})
+            if source.repo == recipe.model
+            else source
+            for source in composed.sources
+        ]
+        update["composed_model"] = composed.model_copy(update={"sources": sources})
+    return update
+
+
 def write_variant(
     recipe: Recipe,
     directory: Path,
@@ -108,6 +140,8 @@ def write_variant(
     drop_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     docker_image: str | None = None,
+    model: str | None = None,
+    model_revision: str | None = None,
     what: str = "variant",
 ) -> Path:
     """The overridden recipe's file, written (if its text changed) and loaded back; a recipe
@@ -118,9 +152,13 @@ def write_variant(
         "env": dict(env or {}),
         "docker_image": docker_image,
     }
+    if model is not None or model_revision is not None:
+        # Only then: the overrides of a variant without a checkpoint keep the name they had.
+        overrides |= {"model": model, "model_revision": model_revision}
     update: dict[str, Any] = {
         "args": overridden_args(recipe, args, drop_args, what=what),
         "env": {**recipe.env, **(env or {})},
+        **swapped_checkpoint(recipe, model, model_revision),
     }
     if docker_image is not None:
         update["docker_image"] = docker_image

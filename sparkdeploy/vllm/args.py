@@ -207,3 +207,27 @@ def argv_flag_value(argv: Sequence[str], name: str) -> str | None:
         following = argv[index + 1] if index + 1 < len(argv) else None
         return following if following is not None and not is_flag(following) else None
     return None
+
+
+LIMIT_MM_FLAG = "--limit-mm-per-prompt"
+
+
+def images_per_prompt(argv: Sequence[str]) -> int:
+    """The images one prompt may carry by a command line's --limit-mm-per-prompt: its JSON
+    `{"image": 2}`, `{"image": {"count": 2, ...}}` (with profiling options) or vLLM's older
+    `image=2`; 0 without the flag, whose default depends on the model (unknown here)."""
+    value = argv_flag_value(argv, LIMIT_MM_FLAG)
+    if value is None:
+        return 0
+    try:
+        limits = json.loads(value)
+    except json.JSONDecodeError:
+        pairs = (item.partition("=") for item in value.split(","))
+        limits = {key.strip(): count.strip() for key, _, count in pairs}
+    image = limits.get("image", 0) if isinstance(limits, dict) else 0
+    if isinstance(image, dict):
+        image = image.get("count", 0)
+    try:
+        return max(0, int(image))
+    except (TypeError, ValueError):
+        return 0

@@ -3,6 +3,7 @@
 One module per job:
   checks.py     run_smoke(): the requests in their order, each reply's check
   prompts.py    what it asks and the answers it must get (the lab's chat model learns them)
+  image.py      the picture it shows an engine that takes images, drawn as a PNG here
   detectors.py  token loops, garbled text, a copy with changes: pure functions of a text
   client.py     the HTTP chat client (chat, chat_stream) and its Reply
   report.py     the checks' verdict and the error naming the failed ones

@@ -3,10 +3,11 @@ well?
 
 The order matters: a fault that starts at the 5th-6th request must land in the burst, after the
 canaries passed. The three canaries at temperature 0, sent together; a burst of sequential canary
-requests; a prompt over 64 tokens, an exact-copy request and a tool call when auto tool choice is
-on, sent together; last, alone so that its figures are the engine's for one request, a streaming
-request with usage (TTFT and decode tok/s). Every reply then goes through the detectors (token
-loops, garbled text, empty content). One failed check fails the report.
+requests; a prompt over 64 tokens, an exact-copy request, a tool call when auto tool choice is on
+and a picture when the engine takes images (image.py), sent together; last, alone so that its
+figures are the engine's for one request, a streaming request with usage (TTFT and decode tok/s).
+Every reply then goes through the detectors (token loops, garbled text, empty content). One
+failed check fails the report.
 
 Requests sent together are independent questions that the engine batches (vLLM's scheduler runs
 every waiting request it has room for in the same step: vllm/v1/core/sched/scheduler.py in
@@ -33,6 +34,12 @@ from sparkdeploy.steps.smoke_test.detectors import (
     copy_mismatches,
     detect_garbled,
     detect_repetition,
+)
+from sparkdeploy.steps.smoke_test.image import (
+    IMAGE_COLOUR,
+    IMAGE_CONTENT,
+    IMAGE_SIDE,
+    names_the_colour,
 )
 from sparkdeploy.steps.smoke_test.prompts import (
     CANARIES,
@@ -191,6 +198,21 @@ def _tool_check(reply: Reply) -> SmokeCheck:
     return SmokeCheck("tool_call", True, f"get_weather({arguments})")
 
 
+def _image_check(reply: Reply) -> SmokeCheck:
+    figures = {"seconds": round(reply.seconds, 3)}
+    problem = _reply_problem(reply)
+    if problem is None and not names_the_colour(reply.content):
+        problem = (
+            f"wrong answer: a {IMAGE_SIDE}x{IMAGE_SIDE} {IMAGE_COLOUR} picture, got "
+            f"{_excerpt(reply.content)}"
+        )
+    if problem:
+        return SmokeCheck("image", False, problem, figures)
+    return SmokeCheck(
+        "image", True, f"saw the {IMAGE_COLOUR} picture: {_excerpt(reply.content, 60)}", figures
+    )
+
+
 def _reasoning_check(replies: Sequence[Reply]) -> SmokeCheck:
     with_reasoning = [reply for reply in replies if reply.reasoning.strip()]
     figures = {"replies": float(len(replies)), "with_reasoning": float(len(with_reasoning))}
@@ -288,13 +310,18 @@ def run_smoke(settings: SmokeSettings) -> SmokeReport:
                 chat, settings, "tool_call", TOOL_PROMPT, tools=[WEATHER_TOOL], tool_choice="auto"
             )
         )
-    long_reply, copy_reply, *tool_reply = _together(asked)
+    if settings.images:
+        asked.append(partial(chat, settings, "image", IMAGE_CONTENT))
+    long_reply, copy_reply, *more = _together(asked)
+    tool_reply = more[: int(settings.tool_calls)]
+    image_reply = more[int(settings.tool_calls) :]
     checks.append(_long_prompt_check(long_reply))
     checks.append(_copy_check(copy_reply))
     checks += [_tool_check(reply) for reply in tool_reply]
+    checks += [_image_check(reply) for reply in image_reply]
     streamed = chat_stream(settings, "streaming", STREAM_PROMPT)
     checks.append(_stream_check(streamed))
-    replies += [long_reply, copy_reply, *tool_reply, streamed.reply]
+    replies += [long_reply, copy_reply, *tool_reply, *image_reply, streamed.reply]
 
     if settings.reasoning:
         checks.append(_reasoning_check(canary_replies))

@@ -14,6 +14,10 @@ from pydantic import SecretStr
 
 from sparkdeploy.remote import engine_http
 from sparkdeploy.spec.plan import Plan
+from sparkdeploy.vllm.args import images_per_prompt
+
+# A user message's content: its text, or content parts (text and images: smoke_test/image.py).
+Content = str | list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class SmokeSettings:
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     tool_calls: bool = False  # the engine runs with --enable-auto-tool-choice
     reasoning: bool = False  # the engine runs with --reasoning-parser
+    images: bool = False  # the engine takes an image per prompt (--limit-mm-per-prompt)
     burst_size: int = 8
     max_tokens: int = 1024
     request_timeout_s: float = 120.0
@@ -42,6 +47,7 @@ class SmokeSettings:
             chat_template_kwargs=dict(plan.smoke.chat_template_kwargs),
             tool_calls=plan.tool_calls_enabled,
             reasoning=plan.reasoning_enabled,
+            images=images_per_prompt(plan.head_serve_argv) > 0,
             max_tokens=plan.smoke.max_tokens or cls.max_tokens,
             request_timeout_s=(
                 request_timeout_s or plan.smoke.request_timeout_s or cls.request_timeout_s
@@ -61,7 +67,7 @@ class Reply:
     error: str | None = None  # no usable reply: refused, timed out, HTTP error, not JSON
 
 
-def _request_body(settings: SmokeSettings, prompt: str, **fields: Any) -> dict[str, Any]:
+def _request_body(settings: SmokeSettings, prompt: Content, **fields: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": settings.served_model_name,
         "messages": [{"role": "user", "content": prompt}],
@@ -87,7 +93,7 @@ def _reasoning_of(message: Mapping[str, Any]) -> str:
     return str(message.get("reasoning") or message.get("reasoning_content") or "")
 
 
-def chat(settings: SmokeSettings, label: str, prompt: str, **fields: Any) -> Reply:
+def chat(settings: SmokeSettings, label: str, prompt: Content, **fields: Any) -> Reply:
     """One non-streaming chat completion; every failure becomes Reply.error."""
     url = settings.base_url.rstrip("/") + "/v1/chat/completions"
     started = time.monotonic()
