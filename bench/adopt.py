@@ -1,10 +1,10 @@
 """Benchmark: adopting a hand-made Engram copy (issue 22) against reading the same bytes.
 
 A ~1 GiB synthetic Engram shard is put in an HF cache laid out as the NAS holds it
-(tests/hfcache_layout.py), and a copy of rank 0 of TP 3 is made by hand as the old launcher
+(lab/testing/hfcache_layout.py), and a copy of rank 0 of TP 3 is made by hand as the old launcher
 left it: a file truncated to the shard's size, the header and the rank's row ranges written at
 their offsets with pwrite, holes elsewhere, no manifest of ours. The adoption is the node
-script's stage_all (sparkdeploy.node.stage_engram) called in this process for that dest, the
+script's stage_all (sparkdeploy.node.engram_copy) called in this process for that dest, the
 whole call timed: plan, size and header checks, the full compare of every byte of the ranges in
 both files (which also hashes the source's ranges for the manifest), the hole check, the
 manifest. Its manifest is removed after each round so the next round adopts again.
@@ -24,7 +24,7 @@ times, in turn; the best time of each is compared. The compare overlaps its read
 of the source's bytes, so sha256 of the share in memory is timed too: when it exceeds the
 reference, it, not the compare's reads, bounds the ratio on this host.
 
-    .venv/bin/python bench/adopt.py [--dir /var/tmp/sparkdeploy-bench-adopt] [--size 1GiB]
+    .venv/bin/python -m bench.adopt [--dir /var/tmp/sparkdeploy-bench-adopt] [--size 1GiB]
 """
 
 from __future__ import annotations
@@ -42,16 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# The checkout's root first, so `bench`, `lab` and `sparkdeploy` import as packages.
-sys.path[:1] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
-
-from hfcache_layout import cache_repo  # noqa: E402
-
-from bench.cpu import measured  # noqa: E402
-from lab.tinymodel import EngramSpec, generate_repo, parse_size  # noqa: E402
-from sparkdeploy.node import stage_engram  # noqa: E402
-from sparkdeploy.units import human_bytes  # noqa: E402
+from bench.cpu import measured
+from lab.testing.hfcache_layout import cache_repo
+from lab.testing.page_cache import drop_from_cache, resident_bytes
+from lab.tinymodel import EngramSpec, generate_repo, parse_size
+from sparkdeploy.node import engram_copy, engram_plan
+from sparkdeploy.node.staged_file import MANIFEST_SUFFIX
+from sparkdeploy.units import human_bytes
 
 REPO = "bench-org/EngramAdopt"
 TP = 3
@@ -78,27 +75,6 @@ def timed(body: Callable[[], None]) -> Run:
     with measured() as usage:
         body()
     return Run(usage.wall_s, own_cpu_s() - own, usage.busy_s, usage.stolen_s)
-
-
-def drop_from_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def resident_bytes(*paths: Path) -> int:
-    """Page-cache bytes of these files (util-linux fincore)."""
-    completed = subprocess.run(
-        ["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, paths)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return sum(int(line) for line in completed.stdout.split())
 
 
 def cold(*paths: Path) -> None:
@@ -163,7 +139,7 @@ def own_cpu_s() -> float:
 
 def sha256_alone(total: int) -> float:
     """Seconds to sha256 `total` bytes held in memory, in one thread as the compare hashes."""
-    block = os.urandom(stage_engram.DEFAULT_CHUNK_BYTES)
+    block = os.urandom(engram_plan.DEFAULT_CHUNK_BYTES)
     digest = hashlib.sha256()
     started = time.monotonic()
     for _ in range(-(-total // len(block))):
@@ -187,7 +163,7 @@ def main() -> int:
         snapshot = cache_repo(repo, work / "nas")
         source = (snapshot / filename).resolve()
         dest = work / "node" / filename
-        request = stage_engram.Request(
+        request = engram_plan.Request(
             node="bench",
             nas_hf_cache=str(work / "nas"),
             repo=REPO,
@@ -197,7 +173,7 @@ def main() -> int:
             ranks=(RANK,),
             tp_size=TP,
         )
-        ranges = stage_engram.plan_copy(request).ranges
+        ranges = engram_plan.plan_copy(request).ranges
         hand_made_copy(source, dest, ranges)
         compared = sum(end - begin for begin, end in ranges)
         size = source.stat().st_size
@@ -220,13 +196,14 @@ def main() -> int:
 
         def adoption() -> None:
             lines: list[dict[str, Any]] = []
-            stage_engram.stage_all([request], lines.append)
+            engram_copy.stage_all([request], lines.append)
             [result] = [line["result"] for line in lines if "result" in line]
             assert result["status"] == "adopted", result
-            assert result["holes_checked"] and result["note"] is None, result
+            assert result["holes_checked"], result
+            assert result["note"] is None, result
             results.append(result)
             # The next round adopts again.
-            Path(f"{dest}{stage_engram.MANIFEST_SUFFIX}").unlink()
+            Path(f"{dest}{MANIFEST_SUFFIX}").unlink()
 
         runs: dict[str, tuple[Callable[[], None], int, list[Run]]] = {
             "reference (dd of the ranges, both files)": (

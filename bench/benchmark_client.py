@@ -7,7 +7,7 @@ The engine is the stand-in on loopback with a short delay per chunk, so requests
 as this machine serves them: the client's hardest case. The bare reader sends the same requests
 and reads the bytes without parsing them: no client can do less.
 
-    .venv/bin/python bench/benchmark_client.py [--requests 64] [--concurrency 16]
+    .venv/bin/python -m bench.benchmark_client [--requests 64] [--concurrency 16]
 """
 
 from __future__ import annotations
@@ -16,24 +16,14 @@ import argparse
 import http.client
 import json
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from urllib.parse import urlsplit
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
-
-from standin_process import SERVED, local_standin  # noqa: E402
-
-from sparkdeploy.steps.benchmark import (  # noqa: E402
-    CLIENT_BOUND_CORES,
-    BenchmarkSettings,
-    run_benchmark,
-    synthetic_prompt,
-)
-from sparkdeploy.steps.smoke_test import SmokeSettings  # noqa: E402
+from lab.testing.standin_process import SERVED, local_standin
+from sparkdeploy.steps.benchmark import CLIENT_BOUND_CORES, BenchmarkSettings, run_benchmark
+from sparkdeploy.steps.benchmark_requests import synthetic_prompt
+from sparkdeploy.steps.smoke_test import SmokeSettings
 
 OUTPUT_TOKENS = 64
 INPUT_TOKENS = 256
@@ -74,6 +64,7 @@ def main() -> None:
         output_tokens=OUTPUT_TOKENS,
         requests_per_level=options.requests,
         repeats=3,
+        decode_depths=[],
     )
     with local_standin(env={"STANDIN_DECODE_DELAY_S": DELAY_S}) as endpoint:
         result = run_benchmark(SmokeSettings(endpoint, SERVED), settings)

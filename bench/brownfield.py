@@ -18,7 +18,7 @@ ratio clean / brownfield of the best of each (the brownfield deploy hashes what 
 the clean one fetches and copies it; the lab's models are small, so the engine's own start
 weighs most in both).
 
-    .venv/bin/python bench/brownfield.py [--rounds 2]
+    .venv/bin/python -m bench.brownfield [--rounds 2]
 """
 
 from __future__ import annotations
@@ -30,23 +30,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# The checkout's root first, so `bench`, `lab` and `sparkdeploy` import as packages.
-sys.path[:1] = [str(REPO_ROOT)]
-
-from bench.cpu import CpuUsage, measured  # noqa: E402
-from lab.brownfield import (  # noqa: E402
+from bench.cpu import CpuUsage, measured
+from lab.brownfield import (
     BROWNFIELD_RECIPE,
     Brownfield,
     clear_brownfield,
     make_brownfield,
 )
-from lab.cluster import Lab  # noqa: E402
-from lab.image import build_engine_image  # noqa: E402
-from lab.models import publish_lab_models  # noqa: E402
-from lab.prefect_local import PrefectServer, free_port  # noqa: E402
-from sparkdeploy.node.hfcache import repo_dir  # noqa: E402
-from sparkdeploy.spec.cluster import load_cluster  # noqa: E402
+from lab.cluster import Lab
+from lab.image import build_engine_image
+from lab.models import publish_lab_models
+from lab.prefect_local import PrefectServer, free_port
+from sparkdeploy.node.hfcache import repo_dir
+from sparkdeploy.spec.cluster import load_cluster
 
 RECIPE = str(BROWNFIELD_RECIPE)
 NODES = 3

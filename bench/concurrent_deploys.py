@@ -12,7 +12,7 @@ machine's cores allow (bench/cpu.py), and per deploy the server's requests and C
 Target: the four-at-once wall time <= 2x the single deploy's, or within 10 % of the CPU bound.
 Needs root.
 
-    .venv/bin/python bench/concurrent_deploys.py [--rounds 2] [--databases sqlite,postgresql]
+    .venv/bin/python -m bench.concurrent_deploys [--rounds 2] [--databases sqlite,postgresql]
 """
 
 from __future__ import annotations
@@ -28,22 +28,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:1] = [str(REPO_ROOT)]
-
-from bench.cpu import CpuUsage, cpu_bound_ratio, measured  # noqa: E402
-from lab.cluster import Lab  # noqa: E402
-from lab.image import build_engine_image  # noqa: E402
-from lab.models import publish_lab_models  # noqa: E402
-from lab.postgres import PostgresServer  # noqa: E402
-from lab.prefect_local import (  # noqa: E402
+from bench.cpu import CpuUsage, cpu_bound_ratio, measured
+from lab.cluster import Lab
+from lab.image import build_engine_image
+from lab.models import publish_lab_models
+from lab.postgres import PostgresServer
+from lab.prefect_local import (
     PrefectServer,
     free_port,
     register_deployments,
     start_worker,
     stop_worker,
 )
-from lab.team import nginx_config  # noqa: E402
+from lab.team import nginx_config
 
 RECIPE = "lab-pair"
 NODE_SETS = [["node1", "node2"], ["node3", "node4"], ["node5", "node6"], ["node7", "node8"]]

@@ -20,7 +20,7 @@ rank's dd and staging run ROUNDS times, alternately: staging/dd is the fastest s
 fastest dd, "pair median" the median of each staging run over the dd run just before it, and
 the Cached growth the smallest over the staging runs (others' work only ever adds to it).
 
-    .venv/bin/python bench/engram_staging.py [--dir /var/tmp/sparkdeploy-bench] [--size 2.1GiB]
+    .venv/bin/python -m bench.engram_staging [--dir /var/tmp/sparkdeploy-bench] [--size 2.1GiB]
 """
 
 from __future__ import annotations
@@ -37,17 +37,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
-
-from hfcache_layout import cache_repo  # noqa: E402
-from local_node import LocalPython  # noqa: E402
-
-from lab.tinymodel import EngramSpec, generate_repo, parse_size  # noqa: E402
-from sparkdeploy.node import engram  # noqa: E402
-from sparkdeploy.spec.plan import EngramStage  # noqa: E402
-from sparkdeploy.spec.recipe import RepoRef  # noqa: E402
-from sparkdeploy.steps import stage_engram as staging  # noqa: E402
+from lab.testing.hfcache_layout import cache_repo
+from lab.testing.local_node import LocalNode
+from lab.testing.page_cache import drop_from_cache, resident_bytes
+from lab.tinymodel import EngramSpec, generate_repo, parse_size
+from sparkdeploy.node import engram, engram_plan
+from sparkdeploy.node.engram_copy import StagingResult
+from sparkdeploy.spec.plan import EngramStage
+from sparkdeploy.spec.recipe import RepoRef
+from sparkdeploy.steps import stage_engram as staging
 
 REPO = "bench-org/EngramBench"
 TP = 3
@@ -61,27 +59,6 @@ def cached_bytes() -> int:
         if line.startswith("Cached:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("/proc/meminfo has no Cached: line")
-
-
-def drop_from_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def resident_bytes(*paths: Path) -> int:
-    """Page-cache bytes of these files (util-linux fincore)."""
-    completed = subprocess.run(
-        ["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, paths)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return sum(int(line) for line in completed.stdout.split())
 
 
 def dd_ranges(source: Path, dest: Path, size: int, ranges: list[tuple[int, int]]) -> float:
@@ -145,8 +122,8 @@ def main() -> int:
         print(
             f"shard {filename}: {size / 2**30:.2f} GiB, generated in "
             f"{time.monotonic() - started:.1f} s; disk of {work}, chunk "
-            f"{staging.node_staging.DEFAULT_CHUNK_BYTES // MIB} MiB, fdatasync every "
-            f"{staging.node_staging.DEFAULT_SYNC_BYTES // MIB} MiB; dd bs={DD_BLOCK} buffered + "
+            f"{engram_plan.DEFAULT_CHUNK_BYTES // MIB} MiB, fdatasync every "
+            f"{engram_plan.DEFAULT_SYNC_BYTES // MIB} MiB; dd bs={DD_BLOCK} buffered + "
             f"one fsync; best of {ROUNDS} alternate runs each"
         )
         print(
@@ -157,7 +134,7 @@ def main() -> int:
         for rank in range(TP):
             dest = work / f"node{rank}" / filename
 
-            def stage_rank() -> staging.StagingResult:
+            def stage_rank() -> StagingResult:
                 stage = EngramStage(
                     repo=RepoRef(repo=REPO),
                     filename=filename,
@@ -166,7 +143,7 @@ def main() -> int:
                     tp_size=TP,
                 )
                 (result,) = staging.stage_on_node(
-                    LocalPython(),
+                    LocalNode(),
                     f"node{rank}",  # noqa: B023
                     nas_hf_cache=str(work / "nas"),
                     stages=[stage],

@@ -7,7 +7,7 @@ onto node2..4; the best of --rounds counts. Then a re-run onto node2..4: layers 
 step's report) and bytes received on the nodes' fabric netdevs (SSH's own traffic included).
 Targets: 3-node / 1-node time <= 1.5; re-run layers moved = 0.
 
-    .venv/bin/python bench/images.py [--size-mb 200] [--rounds 2] [--lab NAME]
+    .venv/bin/python -m bench.images [--size-mb 200] [--rounds 2] [--lab NAME]
 """
 
 from __future__ import annotations
@@ -15,17 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:1] = [str(REPO_ROOT)]
-
-from bench.cpu import CpuUsage, cpu_bound_ratio, measured  # noqa: E402
-from lab.cluster import Lab  # noqa: E402
-from lab.image import build_engine_image  # noqa: E402
-from lab.layout import FABRIC_NETDEV  # noqa: E402
-from sparkdeploy.remote.ssh import SshTarget, cached_connection, close_cached  # noqa: E402
-from sparkdeploy.steps.image import ensure_image  # noqa: E402
+from bench.cpu import CpuUsage, cpu_bound_ratio, measured
+from lab.cluster import Lab
+from lab.image import build_engine_image
+from lab.layout import FABRIC_NETDEV
+from sparkdeploy.remote.ssh import SshTarget, cached_connection, close_cached
+from sparkdeploy.steps.image import ensure_image
 
 BENCH_LAB = "bench-images"
 

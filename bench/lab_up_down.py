@@ -1,6 +1,6 @@
 """Lab up and down: seconds, memory of everything the lab runs, and what is left afterwards.
 
-    python bench/lab_up_down.py [--nodes 3] [--rounds 3] [--name bench]
+    python -m bench.lab_up_down [--nodes 3] [--rounds 3] [--name bench]
 
 Memory is summed over every process in the lab's namespaces (registry, per node sshd, dockerd,
 containerd) while idle: RSS (counts shared pages once per process) and PSS (shares them out).

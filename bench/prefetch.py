@@ -27,7 +27,7 @@ download and the prefetch follow that redirect.
 4. A shard removed and the hub cutting its download mid-way: bytes fetched again vs the part
    that was missing after the cut (target: ratio 1, the cut resumes at its exact byte).
 
-    .venv/bin/python bench/prefetch.py [--gib 1.0] [--shards 8] [--connections 8]
+    .venv/bin/python -m bench.prefetch [--gib 1.0] [--shards 8] [--connections 8]
 """
 
 from __future__ import annotations
@@ -48,18 +48,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# The checkout's root first, so `bench`, `lab` and `sparkdeploy` import as packages.
-sys.path[:1] = [str(REPO_ROOT)]
+from huggingface_hub import HfApi, snapshot_download
+from huggingface_hub.utils.tqdm import disable_progress_bars
 
-from huggingface_hub import HfApi, snapshot_download  # noqa: E402
-from huggingface_hub.utils import disable_progress_bars  # noqa: E402
-
-from bench.cpu import CpuUsage, measured  # noqa: E402
-from lab.hub import HubControl  # noqa: E402
-from lab.tinymodel import generate_repo  # noqa: E402
-from sparkdeploy.steps.prefetch import HubAccess, Progress, RepoSpec, prefetch  # noqa: E402
-from sparkdeploy.units import human_bytes  # noqa: E402
+from bench.cpu import CpuUsage, measured
+from lab.hub.control import HubControl
+from lab.tinymodel import generate_repo
+from sparkdeploy.steps.prefetch import HubAccess, Progress, RepoSpec, prefetch
+from sparkdeploy.units import human_bytes
 
 REPO = "bench-org/big"
 READ_CHUNK = 1 << 20

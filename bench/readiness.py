@@ -1,6 +1,6 @@
 """How long after the engine's last boot marker the readiness gate says ready.
 
-    python bench/readiness.py [--rounds 5]
+    python -m bench.readiness [--rounds 5]
 
 Each round boots the engine stand-in (lab/engine/vllm_standin.py) as a local process on
 127.0.0.1 with a lab.tinymodel HF cache, feeds its stdout to the gate as `docker logs -f` would,
@@ -21,14 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
-
-from hfcache_layout import cache_repo  # noqa: E402
-
-from lab.processes import stop_process_group  # noqa: E402
-from lab.tinymodel import generate_repo  # noqa: E402
-from sparkdeploy.steps.readiness_gate import GateEvent, ReadinessGate, follow_lines  # noqa: E402
+from lab.layout import REPO_ROOT
+from lab.processes import stop_process_group
+from lab.testing.hfcache_layout import cache_repo
+from lab.tinymodel import generate_repo
+from sparkdeploy.steps.readiness_gate import GateEvent, ReadinessGate, follow_lines
 
 STANDIN = REPO_ROOT / "lab" / "engine" / "vllm_standin.py"
 MODEL = "lab/tiny-chat"

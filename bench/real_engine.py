@@ -17,7 +17,7 @@ with the one test completion's time beside it (the engine's work); the warm rede
 orchestration overhead, the flow's wall time minus the engine's time to ready (target <= 5 s).
 Runs against its own local Prefect server; needs root and a machine that runs the CPU build.
 
-    .venv/bin/python bench/real_engine.py [--rounds 2]
+    .venv/bin/python -m bench.real_engine [--rounds 2]
 """
 
 from __future__ import annotations
@@ -32,16 +32,13 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:1] = [str(REPO_ROOT)]
-
-from bench.cpu import measured  # noqa: E402
-from lab.cluster import Lab  # noqa: E402
-from lab.prefect_local import PROJECT_ROOT, PrefectServer, free_port  # noqa: E402
-from lab.vllm_runtime import prepare_real_engine, unavailable_reason  # noqa: E402
-from sparkdeploy.spec.plan import Plan  # noqa: E402
-from sparkdeploy.spec.project import load_plan  # noqa: E402
-from sparkdeploy.steps.readiness_gate import probe_endpoint  # noqa: E402
+from bench.cpu import measured
+from lab.cluster import Lab
+from lab.prefect_local import PROJECT_ROOT, PrefectServer, free_port
+from lab.vllm_runtime import prepare_real_engine, unavailable_reason
+from sparkdeploy.remote.engine_http import probe_endpoint
+from sparkdeploy.spec.plan import Plan
+from sparkdeploy.spec.project import load_plan
 
 RECIPE = PROJECT_ROOT / "recipes" / "real-lab-2x" / "recipe.toml"
 HOST_READY_TIMEOUT_S = 600.0

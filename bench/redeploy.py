@@ -10,7 +10,7 @@ overall and by round (targets: 3 nodes <= 1.5 s, 6 nodes <= 1.3x the 3-node figu
 against its own local Prefect server, on SQLite or on a PostgreSQL database of its own
 (--database); needs root.
 
-    .venv/bin/python bench/redeploy.py [--nodes 3,6] [--rounds 2] [--database sqlite|postgresql]
+    .venv/bin/python -m bench.redeploy [--nodes 3,6] [--rounds 2] [--database sqlite|postgresql]
 """
 
 from __future__ import annotations
@@ -22,16 +22,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:1] = [str(REPO_ROOT)]
-
-from bench.cpu import measured  # noqa: E402
-from lab.cluster import Lab  # noqa: E402
-from lab.image import build_engine_image  # noqa: E402
-from lab.models import publish_lab_models  # noqa: E402
-from lab.postgres import PostgresServer  # noqa: E402
-from lab.prefect_local import PROJECT_ROOT, PrefectServer, free_port  # noqa: E402
-from sparkdeploy.spec.project import lab_root  # noqa: E402
+from bench.cpu import measured
+from lab.cluster import Lab
+from lab.image import build_engine_image
+from lab.models import publish_lab_models
+from lab.postgres import PostgresServer
+from lab.prefect_local import PROJECT_ROOT, PrefectServer, free_port
+from sparkdeploy.spec.project import lab_root
 
 RECIPE = PROJECT_ROOT / "recipes" / "lab-dsv41-3x" / "recipe.toml"
 ENGRAM_DIR = "/var/tmp/engram-local/tiny-dsv41"

@@ -16,13 +16,14 @@ from typing import Literal
 
 from prefect import flow
 from prefect.exceptions import CancelledRun
+from prefect.futures import PrefectFuture
 from prefect.transactions import transaction
 
-from sparkdeploy.errors import RollbackFailed, RolledBack
 from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.hold_nodes import Replaced
+from sparkdeploy.steps.prefetch import RepoOutcome
 from sparkdeploy.steps.readiness_gate import GateResult
-from sparkdeploy.steps.replace import Replacement, rollback_message
+from sparkdeploy.steps.replace import Replacement, bring_back
 from sparkdeploy.steps.running_copy import RunningCopy
 from sparkdeploy.steps.summary import DeploySummary, StepClock
 from tasks.artifacts import artifacts_written
@@ -33,6 +34,7 @@ from tasks.hold_nodes import hold_nodes
 from tasks.image import check_image_source, ensure_images
 from tasks.plan import plan_deployment
 from tasks.prefetch import prefetch_repos
+from tasks.quality import quality_gate
 from tasks.readiness_gate import readiness_gate
 from tasks.repair_budget import refund_repair, start_repair
 from tasks.replace import commit, find_replacement, retire_replaced
@@ -44,59 +46,14 @@ from tasks.summary import publish_summary
 from tasks.teardown import tear_down_abandoned_run
 
 # Steps a deploy may skip, by their task names, e.g. skip=["prefetch"] when the NAS is known to be
-# complete, or skip=["fit"] for a model the fit check sizes wrongly (docs/field.md#memory-fit).
-Step = Literal["prefetch", "fit", "stage-engram", "image", "compose-model", "smoke-test"]
+# complete, or skip=["fit"] for a model the fit check sizes wrongly (docs/field.md#memory-fit);
+# the compare flow skips the smoke test and the quality gate, and runs them itself.
+Step = Literal[
+    "prefetch", "fit", "stage-engram", "image", "compose-model", "smoke-test", "quality-gate"
+]
 # Bringing back a replaced deployment: its nodes are this run's already (given back by the
 # rollback), so holding them again takes no wait.
 BRING_BACK_LOCK_TIMEOUT_S = 60.0
-
-
-def _prepare(plan: Plan, skipped: AbstractSet[str], clock: StepClock) -> None:
-    """Engram copies, composed models and the image on every node (each fans out over nodes)."""
-    with clock.step("stage-engram, image, compose-model"):
-        # The image comes while the nodes stage and compose.
-        image = None if "image" in skipped else ensure_images.submit(plan)
-        if "stage-engram" not in skipped:
-            stage_engram_on_nodes(plan)
-        if "compose-model" not in skipped:
-            compose_models_on_nodes(plan)
-        if image is not None:
-            image.result()
-
-
-def _start(plan: Plan, skipped: AbstractSet[str], clock: StepClock) -> GateResult:
-    """Containers up, ready, smoke-tested."""
-    with clock.step("boot"):
-        boot_deployment(plan)
-    with clock.step("readiness-gate"):
-        gate = readiness_gate(plan)
-    if "smoke-test" not in skipped:
-        with clock.step("smoke-test"):
-            smoke_test(plan)
-    return gate
-
-
-def _bring_back(old: Replaced, cluster: str) -> Plan:
-    """A replaced deployment up again on its nodes, from its recipe; in a transaction of its own,
-    so a failure leaves nothing of it running and its nodes free."""
-    plan = plan_deployment(old.recipe, cluster, list(old.nodes), allow_blocked=True)
-    clock = StepClock()
-    with transaction():
-        hold_nodes(plan, lock_timeout_s=BRING_BACK_LOCK_TIMEOUT_S)
-        _prepare(plan, set(), clock)
-        _start(plan, set(), clock)
-    return plan
-
-
-def _already_serving(plan: Plan, running: RunningCopy, clock: StepClock, how: str) -> DeploySummary:
-    summary = DeploySummary.of(
-        plan,
-        clock.durations(),
-        ready_after_s=None,
-        note=f"Already serving: {running.reason}; {how}. Nothing else was done.",
-    )
-    publish_summary(summary)
-    return summary
 
 
 @flow(
@@ -155,22 +112,92 @@ def deploy(
     label_flow_run(plan)
     ensuring = ensure or repair_cause is not None
     replacement = find_replacement(plan, cluster) if replace or ensuring else Replacement.none()
-    if ensuring:
-        # Outside the transaction: a failed smoke test here is a finding, not a failed step.
-        running = check_running_copy(plan)
-        if running.serving and smoke_test(plan, return_state=True).is_completed():
-            if replacement.replacing:
-                commit(plan, replacement)
-            return _already_serving(plan, running, clock, "the smoke test passed")
-        if repair_cause is not None:
-            start_repair(plan, repair_cause, per_hour=repairs_per_hour)
+    # Outside the transaction: a failed smoke test here is a finding, not a failed step.
+    found = check_running_copy(plan) if ensuring else None
+    if found is not None and found.serving and smoke_test(plan, return_state=True).is_completed():
+        return _already_serving(plan, found, replacement, clock, "the smoke test passed")
+    if repair_cause is not None:
+        start_repair(plan, repair_cause, per_hour=repairs_per_hour)
     if plan.docker_image_dir is not None and "image" not in skipped:
         # An image that cannot be built here must already be on the nodes: refused now, not
         # after a prefetch of maybe hundreds of GB and the hold.
         check_image_source(plan)
-    # Submitted outside the transaction: only what touches the nodes is rolled back. The fit
-    # check follows the prefetch (it reads the safetensors headers in the NAS), before anything
-    # is put on a node.
+    prefetched, fitted = _submit_nas_steps(plan, skipped, update_revisions)
+    retiring = False
+    try:
+        with transaction() as deploy_transaction:
+            deploy_transaction.set(KEEP_ON_FAILURE, keep_on_failure)
+            plan = _hold(plan, prefetched, fitted, clock, lock_timeout_s, replacement)
+            if found is not None:
+                # Another deploy (a repair, say) may have redeployed it while this one waited.
+                now = check_running_copy(plan)
+                if now.made_to_serve_since(found):
+                    return _already_serving(
+                        plan,
+                        now,
+                        replacement,
+                        clock,
+                        "another deploy redeployed it while this one waited",
+                        repairing=repair_cause is not None,
+                    )
+            _prepare(plan, skipped, clock)
+            retiring = bool(replacement.replacing)
+            if retiring:
+                with clock.step("retire replaced"):
+                    retire_replaced(plan, replacement, cluster)
+            gate = _start(plan, skipped, clock)
+            if replacement.replacing:
+                commit(plan, replacement)
+    except Exception as failure:
+        # Before the replaced deployments were removed they serve on, and the rollback gave
+        # their nodes back; a cancelled run leaves them to the next deploy.
+        if not retiring or keep_on_failure or isinstance(failure, CancelledRun):
+            raise
+        rolled_back = bring_back(
+            failure, plan, replacement.bring_back, lambda old: _bring_back(old, cluster)
+        )
+        raise rolled_back from failure
+    summary = DeploySummary.of(
+        plan,
+        clock.durations(),
+        ready_after_s=gate.ready_after_s,
+        timeline=gate.timeline,
+        head_figures=gate.figures,
+    )
+    publish_summary(summary)
+    return summary
+
+
+def _already_serving(
+    plan: Plan,
+    copy: RunningCopy,
+    replacement: Replacement,
+    clock: StepClock,
+    how: str,
+    *,
+    repairing: bool = False,
+) -> DeploySummary:
+    """The ensure shortcut: the deployment serves as planned, so nothing else is done but
+    committing the replacement found on its nodes and refunding a repair that was not needed."""
+    if replacement.replacing:
+        commit(plan, replacement)
+    if repairing:
+        refund_repair(plan)
+    summary = DeploySummary.of(
+        plan,
+        clock.durations(),
+        ready_after_s=None,
+        note=f"Already serving: {copy.reason}; {how}. Nothing else was done.",
+    )
+    publish_summary(summary)
+    return summary
+
+
+def _submit_nas_steps(
+    plan: Plan, skipped: AbstractSet[str], update_revisions: bool
+) -> tuple[PrefectFuture[list[RepoOutcome]] | None, PrefectFuture[Plan] | None]:
+    """The prefetch, then the fit check (it reads the safetensors headers in the NAS), submitted
+    outside the transaction: only what touches the nodes is rolled back. None: skipped."""
     prefetched = (
         None
         if "prefetch" in skipped
@@ -189,68 +216,72 @@ def deploy(
         if "fit" in skipped
         else check_fit.submit(plan, return_state=False, wait_for=[prefetched] if prefetched else [])
     )
-    retiring = False
-    try:
-        with transaction() as deploy_transaction:
-            deploy_transaction.set(KEEP_ON_FAILURE, keep_on_failure)
-            # The nodes are held (waiting for another deployment if need be) while the NAS
-            # fills and the fit is checked; all are waited for before a failure of one rolls
-            # back, so that the rollback gives back what the hold took.
-            held = hold_nodes.submit(
-                plan, lock_timeout_s=lock_timeout_s, replacing=replacement.replacing
-            )
-            with clock.step("prefetch"):
-                if prefetched is not None:
-                    prefetched.wait()
-            with clock.step("fit"):
-                if fitted is not None:
-                    fitted.wait()
-            with clock.step("hold-nodes"):
-                held.wait()
-            if prefetched is not None:
-                prefetched.result()
-            if fitted is not None:
-                plan = fitted.result()
-            held.result()
-            if ensuring:
-                # Another deploy (a repair, say) may have redeployed it while this one waited.
-                now = check_running_copy(plan)
-                if now.made_to_serve_since(running):
-                    if replacement.replacing:
-                        commit(plan, replacement)
-                    if repair_cause is not None:
-                        refund_repair(plan)
-                    return _already_serving(
-                        plan, now, clock, "another deploy redeployed it while this one waited"
-                    )
-            _prepare(plan, skipped, clock)
-            if replacement.replacing:
-                retiring = True
-                with clock.step("retire replaced"):
-                    retire_replaced(plan, replacement, cluster)
-            gate = _start(plan, skipped, clock)
-            if replacement.replacing:
-                commit(plan, replacement)
-    except Exception as failure:
-        # Before the replaced deployments were removed they serve on, and the rollback gave
-        # their nodes back; a cancelled run leaves them to the next deploy.
-        if not retiring or keep_on_failure or isinstance(failure, CancelledRun):
-            raise
-        brought: list[Plan] = []
-        lost: list[tuple[Replaced, BaseException]] = []
-        for old in replacement.bring_back:
-            try:
-                brought.append(_bring_back(old, cluster))
-            except Exception as error:
-                lost.append((old, error))
-        message = rollback_message(failure, plan, brought, lost)
-        raise (RollbackFailed(message) if lost else RolledBack(message)) from failure
-    summary = DeploySummary.of(
-        plan,
-        clock.durations(),
-        ready_after_s=gate.ready_after_s,
-        timeline=gate.timeline,
-        head_figures=gate.figures,
-    )
-    publish_summary(summary)
-    return summary
+    return prefetched, fitted
+
+
+def _hold(
+    plan: Plan,
+    prefetched: PrefectFuture[list[RepoOutcome]] | None,
+    fitted: PrefectFuture[Plan] | None,
+    clock: StepClock,
+    lock_timeout_s: float,
+    replacement: Replacement,
+) -> Plan:
+    """The nodes held (waiting for another deployment if need be) while the NAS fills and the
+    fit is checked; all are waited for before a failure of one rolls back, so that the rollback
+    gives back what the hold took. Returns the plan with its fit figures."""
+    held = hold_nodes.submit(plan, lock_timeout_s=lock_timeout_s, replacing=replacement.replacing)
+    with clock.step("prefetch"):
+        if prefetched is not None:
+            prefetched.wait()
+    with clock.step("fit"):
+        if fitted is not None:
+            fitted.wait()
+    with clock.step("hold-nodes"):
+        held.wait()
+    if prefetched is not None:
+        prefetched.result()
+    if fitted is not None:
+        plan = fitted.result()
+    held.result()
+    return plan
+
+
+def _prepare(plan: Plan, skipped: AbstractSet[str], clock: StepClock) -> None:
+    """Engram copies, composed models and the image on every node (each fans out over nodes)."""
+    with clock.step("stage-engram, image, compose-model"):
+        # The image comes while the nodes stage and compose.
+        image = None if "image" in skipped else ensure_images.submit(plan)
+        if "stage-engram" not in skipped:
+            stage_engram_on_nodes(plan)
+        if "compose-model" not in skipped:
+            compose_models_on_nodes(plan)
+        if image is not None:
+            image.result()
+
+
+def _start(plan: Plan, skipped: AbstractSet[str], clock: StepClock) -> GateResult:
+    """Containers up, ready, smoke-tested, and through the recipe's quality gate if it has one."""
+    with clock.step("boot"):
+        boot_deployment(plan)
+    with clock.step("readiness-gate"):
+        gate = readiness_gate(plan)
+    if "smoke-test" not in skipped:
+        with clock.step("smoke-test"):
+            smoke_test(plan)
+    if plan.quality is not None and "quality-gate" not in skipped:
+        with clock.step("quality-gate"):
+            quality_gate(plan)
+    return gate
+
+
+def _bring_back(old: Replaced, cluster: str) -> Plan:
+    """A replaced deployment up again on its nodes, from its recipe; in a transaction of its own,
+    so a failure leaves nothing of it running and its nodes free."""
+    plan = plan_deployment(old.recipe, cluster, list(old.nodes), allow_blocked=True)
+    clock = StepClock()
+    with transaction():
+        hold_nodes(plan, lock_timeout_s=BRING_BACK_LOCK_TIMEOUT_S)
+        _prepare(plan, set(), clock)
+        _start(plan, set(), clock)
+    return plan

@@ -6,7 +6,8 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import Field
 
-from sparkdeploy.steps.prune import DEFAULT_MIN_AGE_HOURS, PruneRow
+from sparkdeploy.steps.prune import DEFAULT_MIN_AGE_HOURS
+from sparkdeploy.steps.prune.rows import PruneRow
 from tasks.artifacts import artifacts_written
 from tasks.prune import prune_cluster
 

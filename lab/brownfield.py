@@ -158,7 +158,7 @@ def _node_docker(lab: Lab, node: str) -> docker.DockerClient:
 def _tag_everywhere(lab: Lab, nodes: list[str]) -> str:
     """The stand-in pulled from the lab registry on each node and tagged BROWNFIELD_IMAGE: one
     image ID everywhere (the registry's config digest), no label of ours."""
-    ids = set()
+    ids: set[str] = set()
     repository, tag = BROWNFIELD_IMAGE.rsplit(":", 1)
     for node in nodes:
         engine = _node_docker(lab, node)

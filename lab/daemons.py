@@ -19,7 +19,7 @@ from lab.network import in_netns, netns_pids
 from lab.node_files import write_file
 from lab.processes import alive, command_name, spawn_daemon, terminate
 from sparkdeploy.errors import LabError
-from sparkdeploy.node.probe import EngineApi
+from sparkdeploy.node.docker_facts import EngineApi
 
 READY_TIMEOUT_S = 30
 NODEINIT = Path(__file__).resolve().parent / "nodeinit.py"
@@ -245,10 +245,11 @@ def _logs(layout: LabLayout) -> str:
     for node in layout.node_names:
         node_dir = layout.node_dir(node)
         logs += [node_dir / name for name in ("nodeinit.log", "dockerd.log", "sshd.log")]
-    tails = []
-    for log in logs:
-        if log.exists() and log.stat().st_size:
-            tails.append(f"{log}: {log.read_text(errors='replace').strip()[-400:]}")
+    tails = [
+        f"{log}: {log.read_text(errors='replace').strip()[-400:]}"
+        for log in logs
+        if log.exists() and log.stat().st_size
+    ]
     return "logs: " + (" | ".join(tails) if tails else "all empty")
 
 

@@ -35,9 +35,9 @@ from lab.prefect_local import (
     resume_schedules,
     start_worker,
 )
+from lab.testing.engine_chat import answer_text, chat
 from lab.vllm_runtime import prepare_real_engine
 from sparkdeploy.errors import SparkDeployError
-from sparkdeploy.remote import engine_http
 from sparkdeploy.spec.project import lab_root, load_plan
 from sparkdeploy.steps.smoke_test import CANARIES
 
@@ -136,17 +136,9 @@ def up(*, real: bool = False, postgres: bool = False) -> int:
     ensure = register_ensure(server.env(), recipe, LAB_NAME, interval_s=ENSURE_INTERVAL_S)
     _say(f"{ensure} keeps it up: every {ENSURE_INTERVAL_S} s a smoke test, a redeploy if need be")
     plan = load_plan(recipe, LAB_NAME)
-    reply = engine_http.request(
-        "POST",
-        f"{plan.endpoint}/v1/chat/completions",
-        timeout=30,
-        json_body={
-            "model": plan.served_model_name,
-            "messages": [{"role": "user", "content": CANARIES[0].prompt}],
-            "temperature": 0,
-        },
-    ).json()
-    answer = reply["choices"][0]["message"]["content"]
+    answer = answer_text(
+        chat(plan.endpoint, plan.served_model_name, CANARIES[0].prompt, timeout_s=30, temperature=0)
+    )
     print(
         f"\nDeployed {recipe} on lab nodes {', '.join(n.node for n in plan.nodes)} in "
         f"{time.monotonic() - started:.0f} s.\n"

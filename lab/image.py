@@ -188,6 +188,7 @@ class ImageInputs:
         sources = [(path, path.name) for path in sorted(engine_dir.glob("*.py"))]
         sources += [
             (REPO_ROOT / "sparkdeploy" / "node" / "engram.py", "engram.py"),
+            (REPO_ROOT / "sparkdeploy" / "errors.py", "errors.py"),
             (REPO_ROOT / "sparkdeploy" / "vllm" / "kv_cache.py", "kv_cache.py"),
             (REPO_ROOT / "lab" / "tinymodel.py", "tinymodel.py"),
         ]
@@ -309,7 +310,8 @@ def registry_digest(lab: Lab, repository: str, tag: str) -> str | None:
     )
     try:
         with urllib.request.urlopen(request, timeout=5) as reply:
-            return reply.headers.get("Docker-Content-Digest")
+            digest: str | None = reply.headers.get("Docker-Content-Digest")
+            return digest
     except urllib.error.HTTPError as error:
         if error.code == 404:
             return None

@@ -15,11 +15,10 @@ import pwd
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab.processes import stop_process_group
+from lab.processes import start_logged, stop_process_group, wait_until_ready
 from sparkdeploy.errors import LabError
 
 POSTGRES_USER = "postgres"
@@ -97,48 +96,43 @@ class PostgresServer:
 
     def start(self) -> None:
         self._initialise()
-        with open(self.log_path, "ab") as log:
-            os.chown(self.log_path, *_ids(POSTGRES_USER))
-            self._process = subprocess.Popen(
-                _as_postgres(
-                    [
-                        str(_bindir() / "postgres"),
-                        "-D",
-                        str(self.data_dir),
-                        "-h",
-                        self.host,
-                        "-p",
-                        str(self.port),
-                        # The socket next to the data, not /var/run/postgresql (which a fresh
-                        # machine without the service's tmpfiles.d setup lacks).
-                        "-k",
-                        str(self.data_dir),
-                        "-c",
-                        f"max_connections={MAX_CONNECTIONS}",
-                        # A demo and test database: losing the last commit in a machine crash
-                        # is fine, and fsync on every commit slows every Prefect write.
-                        "-c",
-                        "fsync=off",
-                        "-c",
-                        "synchronous_commit=off",
-                    ]
-                ),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._ready():
-            if self._process.poll() is not None:
-                raise LabError(
-                    f"postgres exited with code {self._process.returncode} at start; its log is"
-                    f" {self.log_path}"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise LabError(f"postgres not ready after {START_TIMEOUT_S:.0f} s: {self.log_path}")
-            time.sleep(0.2)
+        self.log_path.touch()
+        os.chown(self.log_path, *_ids(POSTGRES_USER))
+        self._process = start_logged(
+            _as_postgres(
+                [
+                    str(_bindir() / "postgres"),
+                    "-D",
+                    str(self.data_dir),
+                    "-h",
+                    self.host,
+                    "-p",
+                    str(self.port),
+                    # The socket next to the data, not /var/run/postgresql (which a fresh
+                    # machine without the service's tmpfiles.d setup lacks).
+                    "-k",
+                    str(self.data_dir),
+                    "-c",
+                    f"max_connections={MAX_CONNECTIONS}",
+                    # A demo and test database: losing the last commit in a machine crash
+                    # is fine, and fsync on every commit slows every Prefect write.
+                    "-c",
+                    "fsync=off",
+                    "-c",
+                    "synchronous_commit=off",
+                ]
+            ),
+            self.log_path,
+        )
+        wait_until_ready(
+            self._process,
+            self._ready,
+            name="postgres",
+            log_path=self.log_path,
+            timeout_s=START_TIMEOUT_S,
+            poll_s=0.2,
+            stop=self.stop,
+        )
 
     def _ready(self) -> bool:
         result = subprocess.run(

@@ -12,14 +12,13 @@ import re
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab.processes import stop_process_group
+from lab.processes import start_logged, stop_process_group, wait_until_ready
 from sparkdeploy.errors import SparkDeployError
 
 WORK_POOL = "sparkdeploy"
@@ -111,40 +110,31 @@ class PrefectServer:
             )
         self.home.mkdir(parents=True, exist_ok=True)
         log_path = self.log_path or self.home / "server.log"
-        with open(log_path, "ab") as log:
-            self._process = subprocess.Popen(
-                [
-                    _prefect_cli(),
-                    "server",
-                    "start",
-                    "--host",
-                    self.host,
-                    "--port",
-                    str(self.port),
-                    "--keep-alive-timeout",
-                    str(SERVER_KEEPALIVE_S),
-                    *([] if self.run_services else ["--no-services"]),
-                ],
-                env=self.server_env(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while not self.is_healthy():
-            if self._process.poll() is not None:
-                raise SparkDeployError(
-                    f"prefect server exited with code {self._process.returncode} before it was "
-                    f"healthy; its log is {log_path}"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise SparkDeployError(
-                    f"prefect server not healthy after {SERVER_START_TIMEOUT_S:.0f} s; "
-                    f"its log is {log_path}"
-                )
-            time.sleep(0.5)
+        self._process = start_logged(
+            [
+                _prefect_cli(),
+                "server",
+                "start",
+                "--host",
+                self.host,
+                "--port",
+                str(self.port),
+                "--keep-alive-timeout",
+                str(SERVER_KEEPALIVE_S),
+                *([] if self.run_services else ["--no-services"]),
+            ],
+            log_path,
+            env=self.server_env(),
+        )
+        wait_until_ready(
+            self._process,
+            self.is_healthy,
+            name="prefect server",
+            log_path=log_path,
+            timeout_s=SERVER_START_TIMEOUT_S,
+            poll_s=0.5,
+            stop=self.stop,
+        )
 
     def stop(self) -> None:
         if self._process is not None:
@@ -289,16 +279,12 @@ def start_services(server: PrefectServer, log_path: Path) -> subprocess.Popen[by
     """Prefect's background services (scheduler, late runs, zombie detection, ...) as one
     process for every API server started with run_services False over the same database; stop
     it with stop_worker."""
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            [_prefect_cli(), "server", "services", "start"],
-            env=server.server_env(),
-            cwd=PROJECT_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    return start_logged(
+        [_prefect_cli(), "server", "services", "start"],
+        log_path,
+        env=server.server_env(),
+        cwd=PROJECT_ROOT,
+    )
 
 
 def start_worker(
@@ -314,20 +300,16 @@ def start_worker(
     ops host). Stop it with stop_worker."""
     named = ["--name", name] if name else []
     named += ["--limit", str(limit)] if limit is not None else []
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            [
-                *wrapper,
-                _prefect_cli(),
-                *("worker", "start", "--pool", WORK_POOL, "--type", "process", *named),
-            ],
-            env=dict(env),
-            cwd=PROJECT_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    return start_logged(
+        [
+            *wrapper,
+            _prefect_cli(),
+            *("worker", "start", "--pool", WORK_POOL, "--type", "process", *named),
+        ],
+        log_path,
+        env=env,
+        cwd=PROJECT_ROOT,
+    )
 
 
 def stop_worker(worker: subprocess.Popen[bytes]) -> None:

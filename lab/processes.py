@@ -1,7 +1,9 @@
 """Processes on the host: the commands the lab runs to completion (`run`), the daemons it starts
-in a session of their own (`spawn_daemon`), and stopping processes, by PID with SIGTERM then
-SIGKILL (`terminate`, `kill_at_once`), or, for the children the lab, the tests and bench/ start
-with `start_new_session=True`, by process group (`stop_process_group`)."""
+in a session of their own (`spawn_daemon`), the children it starts with their output in a log
+(`start_logged`) and waits for (`wait_until_ready`), and stopping
+processes, by PID with SIGTERM then SIGKILL (`terminate`, `kill_at_once`), or, for the children
+the lab, the tests and bench/ start with `start_new_session=True`, by process group
+(`stop_process_group`)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
+from lab.layout import REPO_ROOT
 from sparkdeploy.errors import LabError
 
 COMMAND_TIMEOUT_S = 15
@@ -48,9 +51,57 @@ def spawn_daemon(argv: list[str], log_path: Path) -> int:
             stderr=log,
             start_new_session=True,
             env={"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")},
+            # The hub is `python -m lab.hub`: the lab imports from the checkout's root.
+            cwd=REPO_ROOT,
         )
     _spawned[process.pid] = process
     return process.pid
+
+
+def start_logged(
+    argv: Sequence[str],
+    log_path: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.Popen[bytes]:
+    """A child in a session of its own (stop it with stop_process_group), without stdin, its
+    output appended to log_path."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            list(argv),
+            env=None if env is None else dict(env),
+            cwd=cwd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def wait_until_ready(
+    process: subprocess.Popen[bytes],
+    ready: Callable[[], bool],
+    *,
+    name: str,
+    log_path: Path,
+    timeout_s: float,
+    poll_s: float,
+    stop: Callable[[], None],
+) -> None:
+    """Return once `ready()`, asked every poll_s; LabError naming `name` and its log when the
+    process exits first, or when timeout_s has passed (after `stop()`)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if process.poll() is not None:
+            raise LabError(
+                f"{name} exited with code {process.returncode} before it was ready; its log is"
+                f" {log_path}"
+            )
+        if time.monotonic() > deadline:
+            stop()
+            raise LabError(f"{name} not ready after {timeout_s:.0f} s; its log is {log_path}")
+        time.sleep(poll_s)
 
 
 def alive(pid: int) -> bool:

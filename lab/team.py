@@ -35,6 +35,7 @@ from lab.prefect_local import (
     start_worker,
     stop_worker,
 )
+from lab.processes import start_logged
 from sparkdeploy.errors import LabError
 from sparkdeploy.report.zombies import MIN_HEARTBEAT_S
 
@@ -234,14 +235,7 @@ class TeamControlPlane:
         return str(name) if name is not None else None
 
     def _spawn(self, what: str, argv: list[str]) -> None:
-        with open(self.workdir / f"{what}.log", "ab") as log:
-            self._processes[what] = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        self._processes[what] = start_logged(argv, self.workdir / f"{what}.log")
 
     def _wait(self, what: str, ready: Callable[[], bool]) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

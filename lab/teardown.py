@@ -20,7 +20,7 @@ from lab.network import (
 )
 from lab.processes import alive, describe, run, terminate
 from sparkdeploy.errors import LabError
-from sparkdeploy.node.probe import EngineApi
+from sparkdeploy.node.docker_facts import EngineApi
 
 STOP_ROUNDS = 3
 

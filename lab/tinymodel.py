@@ -253,10 +253,11 @@ def generate_repo(
             staging / shard_name, tensors, metadata, with_content=with_content
         )
         weight_map.update({tensor.name: shard_name for tensor in tensors})
-    engram_shards = {}
-    if engram is not None:
-        for layer_id, shard_name in zip(engram.layer_ids, shard_names[len(dense) :], strict=True):
-            engram_shards[layer_id] = shard_name
+    engram_shards = (
+        {}
+        if engram is None
+        else dict(zip(engram.layer_ids, shard_names[len(dense) :], strict=True))
+    )
 
     config = _config(num_shards, revision, engram, context_length)
     small_files: dict[str, Any] = {
@@ -293,7 +294,7 @@ def generate_repo(
         gate.unlink(missing_ok=True)
     # Host side only, like EngramSpec.config_keys: hand the hub the digests computed while
     # writing, so it never re-reads GiB of shards to answer its first request.
-    from lab.hub import index_repo
+    from lab.hub.index import index_repo
 
     index_repo(repos_dir, repo_id, known_sha256=shard_sha256)
     files = tuple(sorted([*small_files, ".gitattributes", *shard_names]))

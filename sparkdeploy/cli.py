@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import posixpath
 import shlex
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -28,9 +29,14 @@ from sparkdeploy.spec.project import (
     load_plan,
     missing_image_dir_problem,
 )
-from sparkdeploy.spec.recipe import load_recipe, recipe_paths
+from sparkdeploy.spec.recipe_loading import load_recipe, recipe_paths
 from sparkdeploy.steps.fit import fit_report
 from sparkdeploy.vllm.args import is_flag
+
+if TYPE_CHECKING:
+    from uuid import UUID
+
+    from prefect.client.orchestration import SyncPrefectClient
 
 app = typer.Typer(
     help="Validate recipes and cluster inventories; show what a deployment would run; compare "
@@ -39,6 +45,10 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+# The width of the status table when its output is not a terminal (a pipe, a log): a table
+# wrapped to 80 columns would read as fragments.
+STATUS_WIDTH_PIPED = (160, 24)
 
 RootOption = Annotated[
     Path,
@@ -324,28 +334,25 @@ def status(
         str, typer.Argument(help="An inventory name (clusters/NAME.toml, a lab's) or a path.")
     ],
 ) -> None:
-    """Each deployment of ours on the cluster: health, uptime, last smoke test and last event
-    (these two from the Prefect server PREFECT_API_URL names)."""
+    """Each deployment of ours on the cluster, as a table: health, healthy since, the sentinel's
+    last probe, last fault and its cause, repairs this hour, last smoke test (from the Prefect
+    server PREFECT_API_URL names) and bytes on each node."""
+    import shutil
     from datetime import UTC, datetime
 
     from prefect import get_client
 
-    from sparkdeploy.report.history import read_history
     from sparkdeploy.spec.project import find_cluster
-    from sparkdeploy.steps.status import cluster_status
+    from sparkdeploy.steps.status_view import read_status
 
     try:
-        statuses = cluster_status(load_cluster(find_cluster(cluster)))
+        inventory = load_cluster(find_cluster(cluster))
+        with get_client(sync_client=True) as client:
+            report = read_status(inventory, client, datetime.now(UTC))
     except SparkDeployError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
-    now = datetime.now(UTC)
-    with get_client(sync_client=True) as client:
-        history = read_history(client, [s.deployment_id for s in statuses], now)
-    for found in statuses:
-        typer.echo(found.line(now, history.get(found.deployment_id)))
-    if not statuses:
-        typer.echo(f"nothing of ours runs on cluster {cluster}")
+    typer.echo(report.text(shutil.get_terminal_size(STATUS_WIDTH_PIPED).columns))
 
 
 @app.command()
@@ -359,16 +366,9 @@ def notify(
 ) -> None:
     """Create or update the automation that sends each unhealthy-deployment event of the
     watchdog, with its cause, through the given notification block."""
-    from prefect import get_client
-
     from sparkdeploy.report.notify import NOTIFY_AUTOMATION, apply_notify_automation
 
-    try:
-        with get_client(sync_client=True) as client:
-            automation_id = apply_notify_automation(client, block)
-    except SparkDeployError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(1) from None
+    automation_id = _apply_automation(lambda client: apply_notify_automation(client, block))
     typer.echo(f"automation {NOTIFY_AUTOMATION!r} ({automation_id}) sends to {block}")
 
 
@@ -384,8 +384,6 @@ def zombies(
 ) -> None:
     """Create or update the automation that marks a flow run Crashed when its heartbeats stop
     (its worker or host died), so the node locks of a deploy it was running can be taken over."""
-    from prefect import get_client
-
     from sparkdeploy.report.zombies import (
         DEFAULT_HEARTBEAT_S,
         MISSED_HEARTBEATS,
@@ -393,14 +391,22 @@ def zombies(
         apply_zombie_automation,
     )
 
-    heartbeat_s = DEFAULT_HEARTBEAT_S if heartbeat_s is None else heartbeat_s
+    every_s = DEFAULT_HEARTBEAT_S if heartbeat_s is None else heartbeat_s
+    automation_id = _apply_automation(lambda client: apply_zombie_automation(client, every_s))
+    typer.echo(
+        f"automation {ZOMBIE_AUTOMATION!r} ({automation_id}) crashes flow runs silent for"
+        f" {MISSED_HEARTBEATS * every_s} s (heartbeats every {every_s} s)"
+    )
+
+
+def _apply_automation(apply: Callable[[SyncPrefectClient], UUID]) -> UUID:
+    """apply's automation created or updated through a Prefect client; its refusal on stderr,
+    exit 1."""
+    from prefect import get_client
+
     try:
         with get_client(sync_client=True) as client:
-            automation_id = apply_zombie_automation(client, heartbeat_s)
+            return apply(client)
     except SparkDeployError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
-    typer.echo(
-        f"automation {ZOMBIE_AUTOMATION!r} ({automation_id}) crashes flow runs silent for"
-        f" {MISSED_HEARTBEATS * heartbeat_s} s (heartbeats every {heartbeat_s} s)"
-    )

@@ -64,7 +64,19 @@ class LabError(SparkDeployError):
 
 
 class StagingError(SparkDeployError):
-    """An Engram sparse copy cannot be made or verified on a node."""
+    """A recipe's node-local file (an Engram sparse copy, a plain file) cannot be put in place or
+    verified on a node.
+
+    The node scripts that put them there raise it too (sparkdeploy.node.engram_copy and
+    plain_copy, shipped with this module): there `kind` names the case for the step
+    (missing_source, no_space, linked_mismatch, ...) and `dest` the file it is about (None: all
+    of them, e.g. free space), both sent back in the script's answer.
+    """
+
+    def __init__(self, message: str, *, kind: str | None = None, dest: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.dest = dest
 
 
 class ComposeError(SparkDeployError):
@@ -111,6 +123,11 @@ class DeploymentDown(EngineFailure):
 
 class SmokeFailed(SparkDeployError):
     """The endpoint answered, but badly: at least one smoke check failed (named in the message)."""
+
+
+class QualityFailed(SparkDeployError):
+    """The endpoint answers, but an eval of the recipe's [quality] scored past its threshold or
+    gave no score (each named in the message, with its score or the eval's last lines)."""
 
 
 class ImageError(SparkDeployError):

@@ -11,7 +11,7 @@ printing a plan, a settings object or an error built from them shows no value. T
 only through an env file written over the SSH connection's stdin (sparkdeploy.steps.boot), never
 through an argv: `ps` on a node shows every process's argv to every user. So the plan passes a
 secret flag's value as the env variable vLLM reads in its place (FLAG_ENV), and a recipe may set
-no other secret flag with a value (sparkdeploy.spec.recipe refuses it).
+no other secret flag with a value (sparkdeploy.spec.recipe_loading refuses it).
 """
 
 from __future__ import annotations

@@ -21,12 +21,11 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from prefect import Flow
+from prefect import Flow, State
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
-from prefect.states import State
 
 _LOG = logging.getLogger(__name__)
 _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdeploy-artifacts")

@@ -8,7 +8,8 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from sparkdeploy.spec.project import project_root
-from sparkdeploy.spec.recipe import RepoRef, load_all_recipes
+from sparkdeploy.spec.recipe import RepoRef
+from sparkdeploy.spec.recipe_loading import load_all_recipes
 
 # A recipe's [prefetch] patterns: include, exclude.
 Patterns = tuple[tuple[str, ...], tuple[str, ...]]

@@ -9,14 +9,12 @@ from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.compose_model import ComposeResult, compose_model
 from tasks.artifacts import publish_table
-from tasks.common import artifact_key, retry_only
+from tasks.common import artifact_key, retried_on
 
 
 @task(
     name="compose-model",
-    retries=3,
-    retry_delay_seconds=[5, 30, 120],
-    retry_condition_fn=retry_only(TransientRemoteError),
+    **retried_on(TransientRemoteError, 5, 30, 120),
 )
 def compose_models_on_nodes(plan: Plan) -> dict[str, ComposeResult]:
     """Each node's composed HF cache built, rebuilt or found unchanged, all nodes at once (one

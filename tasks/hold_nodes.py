@@ -26,7 +26,7 @@ from sparkdeploy.steps.hold_nodes import (
     hand_back_to_serving,
 )
 from tasks.boot import KEPT
-from tasks.common import retry_only
+from tasks.common import retried_on
 
 # What a hold_nodes call took, kept in its own transaction for its rollback hook.
 _TAKEN = "taken"
@@ -36,9 +36,7 @@ _PLAN = "plan"
 @task(
     name="hold-nodes",
     task_run_name="hold-nodes {plan.deployment_id}",
-    retries=2,
-    retry_delay_seconds=[5, 30],
-    retry_condition_fn=retry_only(TransientRemoteError),
+    **retried_on(TransientRemoteError, 5, 30),
 )
 def hold_nodes(
     plan: Plan,

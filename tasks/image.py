@@ -9,21 +9,15 @@ from prefect.logging import get_run_logger
 from sparkdeploy.errors import TransientRemoteError
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.spec.plan import Plan
-from sparkdeploy.steps.image import (
-    ImageReport,
-    check_built_elsewhere,
-    ensure_image,
-    image_source,
-)
+from sparkdeploy.steps.image import ImageReport, check_built_elsewhere, ensure_image
+from sparkdeploy.steps.image.source import image_source
 from tasks.artifacts import publish_table
-from tasks.common import artifact_key, retry_only
+from tasks.common import artifact_key, retried_on
 
 
 @task(
     name="image",
-    retries=2,
-    retry_delay_seconds=[15, 60],
-    retry_condition_fn=retry_only(TransientRemoteError),
+    **retried_on(TransientRemoteError, 15, 60),
 )
 def ensure_images(plan: Plan) -> ImageReport:
     """Pulled (or built once and distributed) where missing; one image ID on every node. An
@@ -63,9 +57,7 @@ def ensure_images(plan: Plan) -> ImageReport:
 
 @task(
     name="image-source",
-    retries=2,
-    retry_delay_seconds=[15, 60],
-    retry_condition_fn=retry_only(TransientRemoteError),
+    **retried_on(TransientRemoteError, 15, 60),
 )
 def check_image_source(plan: Plan) -> None:
     """Before the prefetch: a recipe whose image cannot be built here (its docker_image_dir is

@@ -21,7 +21,7 @@ from sparkdeploy.errors import InventoryError, RecipeBlocked
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import Plan, make_plan, with_secrets_label
 from sparkdeploy.spec.project import find_cluster, find_recipe
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 
 SECRETS_DIGEST_KEY_BLOCK = "sparkdeploy-secrets-digest-key"
 

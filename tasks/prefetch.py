@@ -33,7 +33,7 @@ from sparkdeploy.steps.prefetch import (
 from sparkdeploy.steps.prefetch.selection import FileSelection
 from sparkdeploy.units import human_bytes
 from tasks.artifacts import publish_table
-from tasks.common import retry_only
+from tasks.common import retried_on
 
 PROGRESS_ARTIFACT_KEY = "prefetch-progress"
 FILES_ARTIFACT_KEY = "prefetch-files"
@@ -48,6 +48,21 @@ def load_hub_token() -> tuple[str | None, str]:
         return str(secret.get()), f"the Prefect Secret block '{TOKEN_SECRET_BLOCK}'"
     except ValueError:  # Prefect's answer for a block that does not exist
         return os.environ.get("HF_TOKEN") or None, "HF_TOKEN"
+
+
+def hub_access(
+    endpoint: str | None, *, allow_http_token: bool, max_workers: int = HubAccess.max_workers
+) -> HubAccess:
+    """The hub the inventory names (else HF_ENDPOINT, else the public hub), with the token of
+    load_hub_token."""
+    token, token_source = load_hub_token()
+    return HubAccess(
+        endpoint=endpoint or os.environ.get("HF_ENDPOINT") or PUBLIC_HUB,
+        token=token,
+        token_source=token_source,
+        max_workers=max_workers,
+        allow_http_token=allow_http_token,
+    )
 
 
 class PrefectReporter:
@@ -122,9 +137,7 @@ def files_table(outcomes: Sequence[RepoOutcome]) -> list[dict[str, Any]]:
 
 @task(
     name="prefetch",
-    retries=3,
-    retry_delay_seconds=[10, 60, 300],
-    retry_condition_fn=retry_only(TransientPrefetchError),
+    **retried_on(TransientPrefetchError, 10, 60, 300),
 )
 def prefetch_repos(
     repos: Sequence[RepoLike],
@@ -142,14 +155,7 @@ def prefetch_repos(
     file again. Only the files an engine reads, plus `include` and less `exclude` (the recipe's
     [prefetch] patterns), are fetched."""
     logger = get_run_logger()
-    token, token_source = load_hub_token()
-    hub = HubAccess(
-        endpoint=endpoint or os.environ.get("HF_ENDPOINT") or PUBLIC_HUB,
-        token=token,
-        token_source=token_source,
-        max_workers=max_workers,
-        allow_http_token=allow_http_token,
-    )
+    hub = hub_access(endpoint, allow_http_token=allow_http_token, max_workers=max_workers)
     logger.info(
         "prefetch of %d repos from %s into %s (%s)",
         len(repos),

@@ -3,19 +3,16 @@ in sparkdeploy.steps.preview); a markdown artifact `preview-<deployment id>`."""
 
 from __future__ import annotations
 
-import os
-
 from prefect import task
 from prefect.logging import get_run_logger
 
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import Plan
 from sparkdeploy.spec.project import find_cluster
-from sparkdeploy.steps.prefetch import PUBLIC_HUB, HubAccess
 from sparkdeploy.steps.preview import Preview, preview
 from tasks.artifacts import publish_markdown
 from tasks.common import artifact_key
-from tasks.prefetch import load_hub_token
+from tasks.prefetch import hub_access
 
 
 @task(name="preview", task_run_name="preview {plan.deployment_id}")
@@ -31,13 +28,7 @@ def preview_deployment(
     inventory's name or path, whose rates time it). No retries: it changes nothing, and a node
     or hub that does not answer is a row that says so."""
     logger = get_run_logger()
-    token, token_source = load_hub_token()
-    hub = HubAccess(
-        endpoint=plan.hub_endpoint or os.environ.get("HF_ENDPOINT") or PUBLIC_HUB,
-        token=token,
-        token_source=token_source,
-        allow_http_token=plan.hub_allow_http_token,
-    )
+    hub = hub_access(plan.hub_endpoint, allow_http_token=plan.hub_allow_http_token)
     result = preview(
         plan,
         load_cluster(find_cluster(cluster)),

@@ -10,7 +10,9 @@ from prefect.logging import get_run_logger
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.project import find_cluster, project_root
 from sparkdeploy.steps.hold_nodes import holders
-from sparkdeploy.steps.prune import Holders, PruneRow, prune, summary
+from sparkdeploy.steps.prune import prune
+from sparkdeploy.steps.prune.in_use import Holders
+from sparkdeploy.steps.prune.rows import PruneRow, summary
 from sparkdeploy.steps.status import cluster_status
 from tasks.artifacts import publish_table
 from tasks.common import artifact_key

@@ -1,5 +1,5 @@
 """Prefect task: the readiness gate over a booted deployment (logic in
-sparkdeploy.steps.follow_logs).
+sparkdeploy.steps.readiness_gate).
 
 No retries: a boot that failed is not transient, and waiting again would only hide its cause.
 The readiness-gate artifact (the boot timeline) is written however the gate ends, so a failed
@@ -15,8 +15,7 @@ from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import BootFailed
 from sparkdeploy.spec.plan import Plan
-from sparkdeploy.steps.follow_logs import gate_for, wait_until_ready
-from sparkdeploy.steps.readiness_gate import GateResult, ReadinessGate
+from sparkdeploy.steps.readiness_gate import GateResult, ReadinessGate, gate_for, wait_until_ready
 from tasks.artifacts import publish_table
 from tasks.common import artifact_key
 

@@ -7,20 +7,18 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
+from sparkdeploy.remote.engine_http import probe_endpoint
 from sparkdeploy.spec.plan import Plan
-from sparkdeploy.steps.image import build_context, image_source
-from sparkdeploy.steps.readiness_gate import probe_endpoint
+from sparkdeploy.steps.image.source import build_context, image_source
 from sparkdeploy.steps.running_copy import RunningCopy, judge_running_copy, node_facts
 from sparkdeploy.steps.status import HEALTH_TIMEOUT_S
-from tasks.common import retry_only
+from tasks.common import retried_on
 
 
 @task(
     name="running-copy",
     task_run_name="running-copy {plan.deployment_id}",
-    retries=2,
-    retry_delay_seconds=5,
-    retry_condition_fn=retry_only(TransientRemoteError),
+    **retried_on(TransientRemoteError, 5, 5),
 )
 def check_running_copy(plan: Plan) -> RunningCopy:
     """absent, different (recipe, revisions or image changed), unhealthy, or serving as planned."""

@@ -12,8 +12,7 @@ from prefect.logging import get_run_logger
 
 from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.smoke_test import SmokeReport, SmokeSettings, run_smoke
-from tasks.artifacts import publish_table
-from tasks.common import artifact_key
+from tasks.common import publish_gate_report
 
 
 @task(name="smoke-test", task_run_name="smoke-test {plan.deployment_id}", retries=0)
@@ -33,17 +32,13 @@ def smoke_test(
         dict(settings.chat_template_kwargs) or "none",
     )
     report = run_smoke(settings)
-    publish_table(
-        key=artifact_key("smoke-test", plan.deployment_id),
-        table=report.table_rows(),
-        description=(
-            f"Smoke test of {plan.served_model_name!r} at {plan.endpoint} ({plan.recipe}): "
-            + ("every check passed" if report.passed else f"{len(report.failed)} check(s) FAILED")
-        ),
+    publish_gate_report(
+        plan,
+        report,
+        ((check.passed, f"{check.name}: {check.evidence}") for check in report.checks),
+        key="smoke-test",
+        title="Smoke test",
+        unit="check",
+        raise_on_failure=raise_on_failure,
     )
-    for check in report.checks:
-        log = logger.info if check.passed else logger.error
-        log("%s %s: %s", "pass" if check.passed else "FAIL", check.name, check.evidence)
-    if raise_on_failure:
-        report.raise_if_failed()
     return report

@@ -7,20 +7,18 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from sparkdeploy.errors import TransientRemoteError
-from sparkdeploy.node.stage_engram import StagingResult
+from sparkdeploy.node.engram_copy import StagingResult
 from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.stage_engram import stage_engram
 from sparkdeploy.steps.stage_plain import stage_plain
 from sparkdeploy.units import human_bytes
 from tasks.artifacts import publish_table
-from tasks.common import artifact_key, retry_only
+from tasks.common import artifact_key, retried_on
 
 
 @task(
     name="stage-engram",
-    retries=3,
-    retry_delay_seconds=[10, 30, 120],
-    retry_condition_fn=retry_only(TransientRemoteError),
+    **retried_on(TransientRemoteError, 10, 30, 120),
 )
 def stage_engram_on_nodes(plan: Plan) -> dict[str, list[StagingResult]]:
     """Every plain local file of every node's plan put whole (or found or adopted) and verified

@@ -7,12 +7,11 @@ import posixpath
 from collections.abc import Callable
 from typing import Any
 
-from prefect import Flow, task
+from prefect import Flow, State, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import FlowRun
 from prefect.logging import get_run_logger
 from prefect.logging.loggers import flow_run_logger
-from prefect.states import State
 from prefect.utilities.callables import get_parameter_defaults
 
 from sparkdeploy.errors import InventoryError, SparkDeployError, TransientRemoteError
@@ -39,28 +38,26 @@ from sparkdeploy.steps.teardown import (
     teardown,
 )
 from tasks.artifacts import publish_markdown
-from tasks.common import artifact_key, retry_only
+from tasks.common import artifact_key, retried_on
 
 
 def _excerpt_markdown(report: TeardownReport) -> str:
     if not report.removed:
         return f"Deployment `{report.deployment_id}`: no containers were running."
     parts = [f"# Teardown of `{report.deployment_id}`"]
-    for container in report.removed:
-        parts.append(
-            f"## {container.node}: `{container.name}` ({container.status}, exit"
-            f" {container.exit_code})\nFull log: `{container.log_path}`"
-            f" ({container.log_bytes} bytes)\n\n```\n" + "\n".join(container.excerpt) + "\n```"
-        )
+    parts.extend(
+        f"## {container.node}: `{container.name}` ({container.status}, exit"
+        f" {container.exit_code})\nFull log: `{container.log_path}`"
+        f" ({container.log_bytes} bytes)\n\n```\n" + "\n".join(container.excerpt) + "\n```"
+        for container in report.removed
+    )
     return "\n\n".join(parts)
 
 
 @task(
     name="teardown",
     task_run_name="teardown {plan.deployment_id}",
-    retries=2,
-    retry_delay_seconds=[5, 30],
-    retry_condition_fn=retry_only(TransientRemoteError),
+    **retried_on(TransientRemoteError, 5, 30),
 )
 def teardown_deployment(plan: Plan) -> TeardownReport:
     """The plan's nodes searched for the deployment's containers (by label): logged to the NAS,
@@ -85,9 +82,7 @@ def teardown_deployment(plan: Plan) -> TeardownReport:
 @task(
     name="teardown",
     task_run_name="teardown {deployment_id}",
-    retries=2,
-    retry_delay_seconds=[5, 30],
-    retry_condition_fn=retry_only(TransientRemoteError),
+    **retried_on(TransientRemoteError, 5, 30),
 )
 def teardown_deployment_id(deployment_id: str, cluster: str) -> TeardownReport:
     """A deployment by its id alone, whatever its recipe says now: its containers on every node

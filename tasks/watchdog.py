@@ -21,7 +21,7 @@ from sparkdeploy.steps.hold_nodes import ended_runs, holders
 from sparkdeploy.steps.status import cluster_status
 from sparkdeploy.steps.watchdog import being_deployed, diagnose, node_states
 from tasks.artifacts import publish_markdown
-from tasks.common import artifact_key, retry_only
+from tasks.common import artifact_key, retried_on
 
 
 # Its result holds the recipe's secrets: never persisted, never cached (tasks/common.py).
@@ -57,9 +57,7 @@ def failure_of(future: PrefectFuture[Any]) -> str | None:
 @task(
     name="watchdog-health",
     task_run_name="watchdog-health {plan.deployment_id}",
-    retries=2,
-    retry_delay_seconds=5,
-    retry_condition_fn=retry_only(TransientRemoteError),
+    **retried_on(TransientRemoteError, 5, 5),
 )
 def report_health(plan: Plan, cluster: str, smoke_failure: str | None) -> Health:
     """The deployment's health as a Prefect event (sparkdeploy.spec.events): healthy when its smoke

@@ -9,6 +9,11 @@ scripts/test runs the flow and lock tests that way too).
 the whole session and tears it down at the end, checking that nothing of it remains. Where the
 lab cannot run (not root, no namespaces, packages missing) its tests are skipped with the
 reason, which `-ra` prints in the summary; in CI or as root such a skip fails (skip_policy.py).
+
+The flow tests on the lab share a Prefect process worker (`worker`, one a module), the clean-up
+after each test (`clean_lab_after`) and, for the fault matrix (tests/test_fault_matrix_*.py),
+short retry delays (`short_retry_delays`) and one table of measured detection times for the
+session (`matrix`), printed at the end of the pytest output.
 """
 
 from __future__ import annotations
@@ -33,16 +38,28 @@ if TEST_DATABASE == "postgresql":
     os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{_free_loopback_port()}/api"
 
 import pytest
-from lab_flows import FAULT_MATRIX_TABLE, lab_unavailable_reason
+from lab_flows import (
+    FAULT_MATRIX_TABLE,
+    Matrix,
+    Worker,
+    harness_env,
+    lab_brought_up,
+    register_lab_deployments,
+)
 from readiness_lab import Deployment, cache_tiny_model
 
 from lab.cluster import Lab
 from lab.models import publish_lab_models
 from lab.postgres import PostgresServer
-from lab.prefect_local import SERVER_KEEPALIVE_S, PrefectServer, free_port
+from lab.prefect_local import SERVER_KEEPALIVE_S, PrefectServer, free_port, stop_worker
 from lab.vllm_runtime import RealEngine, ensure_runtime, prepare_real_engine, unavailable_reason
 from sparkdeploy.remote import ssh
+from sparkdeploy.remote.targets import cluster_targets
+from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.project import lab_root
+from sparkdeploy.steps.hold_nodes import holders, release_nodes
+from sparkdeploy.steps.status import cluster_status
+from sparkdeploy.steps.teardown import teardown as remove_deployment
 
 pytest_plugins = ["skip_policy"]
 
@@ -52,18 +69,8 @@ TEST_LAB_NODES = 3
 
 @pytest.fixture(scope="session")
 def lab_cluster() -> Iterator[Lab]:
-    reason = lab_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    lab = Lab(TEST_LAB_NAME, TEST_LAB_NODES)
-    lab.up()
-    try:
+    with lab_brought_up(TEST_LAB_NAME, TEST_LAB_NODES) as lab:
         yield lab
-    finally:
-        ssh.close_cached()
-        lab.down()
-    remains = lab.remains()
-    assert not remains, f"lab down left {remains}"
 
 
 @pytest.fixture(scope="session")
@@ -147,6 +154,82 @@ def deployments(lab_cluster: Lab, lab_engine_image: str) -> Iterator[list[Deploy
     for deployment in started:
         deployment.remove()
     assert not [name for d in started for name in d.remaining()]
+
+
+@pytest.fixture
+def clean_lab_after(lab_cluster: Lab, cluster: str) -> Iterator[None]:
+    """Whatever a test left (it asserts there is nothing; a failed test may have stopped short
+    of its own teardown) is removed by deployment id after it, so one failure does not
+    cascade."""
+    yield
+    ssh.close_cached()
+    inventory = load_cluster(Path(cluster))
+    held = {h.deployment_id for h in holders(inventory.name, lab_cluster.nodes).values() if h}
+    running = {status.deployment_id for status in cluster_status(inventory)}
+    for deployment_id in held | running:
+        remove_deployment(deployment_id, cluster_targets(inventory), inventory.nas.runs_dir)
+        release_nodes(inventory.name, lab_cluster.nodes, deployment_id)
+
+
+@pytest.fixture(scope="module")
+def worker(
+    cluster: str, prefect_harness: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Worker]:
+    """A process worker on the session's Prefect server for deploy/deploy, started when a test
+    first submits a run; stopped after the module."""
+    env = {
+        **harness_env(prefect_harness),
+        # Picks the runs up and sees their cancellation within a second (the default polls
+        # every 10 s).
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+    }
+    register_lab_deployments(env, names=["deploy"])
+    started = Worker(env, tmp_path_factory.mktemp("worker") / "worker.log")
+    yield started
+    if started.process is not None:
+        stop_worker(started.process)
+
+
+# The fault matrix's retried tasks wait this long between attempts (field: tasks/*.py's
+# schedules).
+RETRY_DELAY_S = 1.0
+
+
+@pytest.fixture
+def short_retry_delays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retried tasks wait RETRY_DELAY_S between attempts, not their field schedules."""
+    from tasks.compose_model import compose_models_on_nodes
+    from tasks.hold_nodes import hold_nodes
+    from tasks.image import ensure_images
+    from tasks.prefetch import prefetch_repos
+    from tasks.running_copy import check_running_copy
+    from tasks.stage_engram import stage_engram_on_nodes
+    from tasks.teardown import teardown_deployment
+    from tasks.watchdog import report_health
+
+    for retried in (
+        hold_nodes,
+        ensure_images,
+        stage_engram_on_nodes,
+        compose_models_on_nodes,
+        prefetch_repos,
+        check_running_copy,
+        teardown_deployment,
+        report_health,
+    ):
+        monkeypatch.setattr(retried, "retry_delay_seconds", [RETRY_DELAY_S] * retried.retries)
+
+
+@pytest.fixture(scope="session")
+def matrix(lab_cluster: Lab, request: pytest.FixtureRequest) -> Iterator[Matrix]:
+    """The fault matrix's table for the session, whichever of its modules ran: written to
+    <lab root>/fault-matrix-<lab>.md and kept for the end of the pytest output."""
+    measured = Matrix()
+    yield measured
+    if measured.rows:
+        path = lab_root() / f"fault-matrix-{lab_cluster.name}.md"
+        path.write_text(measured.table())
+        request.config.stash[FAULT_MATRIX_TABLE] = (str(path), measured.table())
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -1,8 +1,9 @@
-"""Helpers of the flow tests on the lab: whether the lab can run here, the environment and the
-worker of a subprocess on the session's Prefect server, recipe variants written for one test,
-the check that a deployment left nothing behind (no container of ours, no node held), a deploy
-run compared step by step with the preview made before it, and where the fault matrix leaves
-its table of measured detection times for the end of the pytest output."""
+"""Helpers of the flow tests on the lab: whether the lab can run here (and a lab brought up for a
+block), the environment and the worker of a subprocess on the session's Prefect server, the lab
+recipes and variants of them written for one test, the check that a deployment left nothing
+behind (no container of ours, no node held), a deploy run compared step by step with the preview
+made before it, and the fault matrix's table of measured detection times, which the session
+writes to the end of the pytest output."""
 
 from __future__ import annotations
 
@@ -13,14 +14,23 @@ import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import pytest
 
-from lab.cluster import REQUIRED_TOOLS
-from lab.prefect_local import register_deployments, start_worker, stop_worker
+from lab.cluster import REQUIRED_TOOLS, Lab
+from lab.prefect_local import (
+    PROJECT_ROOT,
+    deploy_run,
+    register_deployments,
+    start_worker,
+    stop_worker,
+)
+from lab.testing.engine_chat import answer_text, chat
+from sparkdeploy.remote import ssh
 from sparkdeploy.remote.docker_cli import list_containers
 from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import plan_targets
@@ -29,7 +39,7 @@ from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.status import cluster_status
 
 if TYPE_CHECKING:
-    from prefect.client.schemas.objects import State, TaskRun
+    from prefect.client.schemas.objects import Artifact, State, TaskRun
 
     from sparkdeploy.spec.plan import Plan
     from sparkdeploy.steps.preview import Preview
@@ -47,6 +57,28 @@ def lab_unavailable_reason() -> str | None:
     if probe.returncode != 0:
         return f"namespaces are unavailable here: {probe.stderr.decode(errors='replace').strip()}"
     return None
+
+
+@contextmanager
+def lab_brought_up(name: str, nodes: int, **options: Any) -> Iterator[Lab]:
+    """Lab(name, nodes, **options) up for the block, down after it, checked to leave nothing
+    behind; where the lab cannot run here, the test is skipped with the reason."""
+    reason = lab_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    lab = Lab(name, nodes, **options)
+    lab.up()
+    try:
+        yield lab
+    finally:
+        ssh.close_cached()
+        lab.down()
+    remains = lab.remains()
+    assert not remains, f"lab down left {remains}"
+
+
+LAB_SINGLE_RECIPE = PROJECT_ROOT / "recipes" / "lab-single" / "recipe.toml"
+LAB_DSV41_RECIPE = PROJECT_ROOT / "recipes" / "lab-dsv41-3x" / "recipe.toml"
 
 
 # lab/prefect.yaml's trigger on deploy/deploy (the automation has the trigger's name).
@@ -96,6 +128,26 @@ def lab_worker(
         stop_worker(worker)
 
 
+@dataclass
+class Worker:
+    """A Prefect process worker on the pool of prefect.yaml's deployments, started anew when
+    a test killed it."""
+
+    env: dict[str, str]
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def running(self) -> subprocess.Popen[bytes]:
+        if self.process is None or self.process.poll() is not None:
+            self.process = start_worker(self.env, self.log)
+        return self.process
+
+    def submit(self, recipe: str, cluster: str) -> str:
+        """`prefect deployment run deploy/deploy`; the flow run's id."""
+        self.running()
+        return deploy_run(self.env, recipe, cluster)
+
+
 def wait_for_state(flow_run_id: str, timeout_s: float = 120.0) -> State:
     """The flow run's state once it is final."""
     from prefect.client.orchestration import get_client
@@ -113,22 +165,21 @@ def wait_for_state(flow_run_id: str, timeout_s: float = 120.0) -> State:
 def ask(endpoint: str, model: str, prompt: str, *, timeout_s: float = 30, **body: object) -> str:
     """The engine's reply to one user message (`body`: more of the request, such as
     temperature); the request must succeed."""
-    from sparkdeploy.remote import engine_http
-
-    reply = engine_http.request(
-        "POST",
-        f"{endpoint}/v1/chat/completions",
-        timeout=timeout_s,
-        json_body={"model": model, "messages": [{"role": "user", "content": prompt}], **body},
-    )
+    reply = chat(endpoint, model, prompt, timeout_s=timeout_s, **body)
     assert reply.status == 200, reply.body
-    return str(reply.json()["choices"][0]["message"]["content"])
+    return answer_text(reply)
 
 
 def nothing_runs(cluster: str) -> None:
     inventory = load_cluster(Path(cluster))
     assert cluster_status(inventory) == []
     assert set(holders(inventory.name, [n.name for n in inventory.nodes]).values()) == {None}
+
+
+def with_env(**env: str) -> tuple[str, str]:
+    """A recipe_variant replacement that adds `env` to the recipe's [env] table."""
+    lines = "".join(f"{name} = {json.dumps(value)}\n" for name, value in env.items())
+    return "[env]\n", f"[env]\n{lines}"
 
 
 def recipe_variant(tmp_path: Path, name: str, source: Path, *replacements: tuple[str, str]) -> str:
@@ -234,29 +285,25 @@ def flow_process(worker_pid: int, flow_run_id: str) -> int | None:
 def answers_the_canary(endpoint: str) -> bool:
     """The lab's tiny-chat answers 127*43 right (with the short reasoning the lab recipes' smoke
     tests ask for: glm45's default thinking would use up the reply)."""
-    from sparkdeploy.remote import engine_http
-
-    reply = engine_http.request(
-        "POST",
-        f"{endpoint}/v1/chat/completions",
-        timeout=30,
-        json_body={
-            "model": "tiny-chat",
-            "messages": [{"role": "user", "content": "What is 127*43?"}],
-            "chat_template_kwargs": {"reasoning_effort": "low"},
-        },
+    reply = chat(
+        endpoint,
+        "tiny-chat",
+        "What is 127*43?",
+        timeout_s=30,
+        chat_template_kwargs={"reasoning_effort": "low"},
     )
-    return reply.status == 200 and "5461" in str(reply.json()["choices"][0]["message"]["content"])
+    return reply.status == 200 and "5461" in answer_text(reply)
 
 
 # A preview's words for what the image step then reports (sparkdeploy.steps.image.NodeImage).
 IMAGE_DONE = {"none": "present", "pull": "pulled", "build": "built", "ship": "distributed"}
-# ...and for what stage-engram then reports (sparkdeploy.node.stage_engram.StagingResult).
+# ...and for what stage-engram then reports (sparkdeploy.node.engram_copy.StagingResult).
 ENGRAM_DONE = {"none": "skipped", "adopt": "adopted", "copy": "copied", "resume": "resumed"}
 
 
-def artifact_rows(flow_run_id: str | UUID, key: str) -> list[dict[str, object]]:
-    """The rows of the table artifact `key` that flow run made ([] when it made none)."""
+def run_artifacts(flow_run_id: str | UUID, **key: Any) -> list[Artifact]:
+    """The artifacts that flow run made whose key matches `key` (ArtifactFilterKey's fields:
+    any_=[KEY], like_=PREFIX)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
@@ -265,18 +312,30 @@ def artifact_rows(flow_run_id: str | UUID, key: str) -> list[dict[str, object]]:
     )
 
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
+        return client.read_artifacts(
             artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=[key]),
+                key=ArtifactFilterKey(**key),
                 flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(str(flow_run_id))]),
             )
         )
+
+
+def artifact_rows(flow_run_id: str | UUID, key: str) -> list[dict[str, object]]:
+    """The rows of the table artifact `key` that flow run made ([] when it made none)."""
+    found = run_artifacts(flow_run_id, any_=[key])
     if not found:
         return []
     data = found[0].data
     rows = json.loads(data) if isinstance(data, str) else data
     assert isinstance(rows, list), rows
     return rows
+
+
+def compare_artifact(flow_run_id: str | UUID | None) -> str:
+    """The markdown of the artifact a compare run wrote (its key `compare-...`)."""
+    assert flow_run_id is not None, "the compare's state names no flow run"
+    [artifact] = run_artifacts(flow_run_id, like_="compare-")
+    return str(artifact.data)
 
 
 def our_containers(plan: Plan) -> dict[str, str]:
@@ -321,7 +380,8 @@ def deploy_matches_preview(
     for lock in found.of_step("hold-nodes"):
         assert lock.action in ("take", "take over"), lock
         holder = held[lock.node]
-        assert holder is not None and holder.deployment_id == plan.deployment_id
+        assert holder is not None
+        assert holder.deployment_id == plan.deployment_id
         assert holder.flow_run_id == str(flow_run_id)
 
     after = our_containers(plan)
@@ -332,5 +392,55 @@ def deploy_matches_preview(
     assert set(after) == {node.container.name for node in plan.nodes}
 
 
-# (path of the table, the table) once tests/test_fault_matrix.py has measured its faults.
+@dataclass
+class Measured:
+    fault: str
+    detected_by: str
+    seconds: float | None  # None: nothing to detect (the pipeline carries on by itself)
+    bound_s: float
+    outcome: str
+    field_note: str = ""
+
+    @property
+    def seconds_text(self) -> str:
+        return "-" if self.seconds is None else f"{self.seconds:.1f} s"
+
+
+@dataclass
+class Matrix:
+    """The fault matrix's measured detection times (tests/test_fault_matrix_*.py), one row a
+    fault; a time beyond its bound fails the test that measured it."""
+
+    rows: list[Measured] = field(default_factory=list)
+
+    def record(
+        self,
+        fault: str,
+        detected_by: str,
+        seconds: float | None,
+        bound_s: float,
+        *,
+        outcome: str = "failed",
+        field_note: str = "",
+    ) -> None:
+        assert seconds is None or seconds <= bound_s, (
+            f"{fault}: detected {seconds:.1f} s after the evidence, beyond the bound of"
+            f" {bound_s:.0f} s"
+        )
+        self.rows.append(Measured(fault, detected_by, seconds, bound_s, outcome, field_note))
+
+    def table(self) -> str:
+        lines = [
+            "| fault | detected by | evidence -> named | bound | outcome | in the field |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {row.fault} | {row.detected_by} | {row.seconds_text} | {row.bound_s:.0f} s |"
+            f" {row.outcome} | {row.field_note} |"
+            for row in self.rows
+        ]
+        return "\n".join(lines) + "\n"
+
+
+# (path of the table, the table) once the fault matrix has measured its faults.
 FAULT_MATRIX_TABLE = pytest.StashKey[tuple[str, str]]()

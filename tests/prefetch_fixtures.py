@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prefetch_hub import TINY, put_cached_file
 
-from lab.hub import HubServer
+from lab.hub.server import HubServer
 from lab.tinymodel import generate_repo
 from sparkdeploy.steps.prefetch.hub import HubFile
 

@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lab.hub import STORAGE, HubServer, RequestRecord
+from lab.hub.request_log import STORAGE, RequestRecord
+from lab.hub.server import HubServer
 from sparkdeploy.steps.prefetch import HubAccess, Progress, RepoOutcome, RepoSpec, prefetch
 from sparkdeploy.steps.prefetch.cache import storage_dir, write_manifest
 from sparkdeploy.steps.prefetch.hub import HubFile

@@ -11,15 +11,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hfcache_layout import cache_repo
-
 from lab.cluster import Lab
+from lab.testing.hfcache_layout import cache_repo
 from lab.tinymodel import generate_repo
 from sparkdeploy.remote.ssh import Connection, SshTarget, on_all
 from sparkdeploy.remote.targets import node_target
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import NodePlan, Plan, make_plan
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 
 MODEL = "lab/tiny-chat"
 SERVED = "tiny"

@@ -9,7 +9,7 @@ import pkgutil
 from uuid import UUID
 
 import pytest
-from prefect import Flow, flow, task
+from prefect import Flow, State, flow, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     ArtifactFilter,
@@ -20,7 +20,6 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.sorting import ArtifactSort
 from prefect.context import TaskRunContext
 from prefect.logging.handlers import APILogHandler
-from prefect.states import State
 
 import flows
 from tasks.artifacts import artifacts_written, publish_markdown, publish_table

@@ -136,6 +136,7 @@ def test_retry_after_is_read_as_seconds_or_an_http_date() -> None:
     assert blobfetch.retry_after_s({"Retry-After": "7"}) == 7.0
     later = email.utils.formatdate(time.time() + 60, usegmt=True)
     wait = blobfetch.retry_after_s({"Retry-After": later})
-    assert wait is not None and 50 < wait <= 60
+    assert wait is not None
+    assert 50 < wait <= 60
     assert blobfetch.retry_after_s({"Retry-After": "soon"}) is None
     assert blobfetch.retry_after_s({}) is None

@@ -58,7 +58,8 @@ def test_roce_detection_picks_active_hcas_and_the_v2_ipv4_gid_of_the_fabric_ip(
     assert found["hcas"] == ["roceP2p1s0f1", "rocep1s0f1"]
     assert found["gid_index"] == 3
     assert any("rocep1s0f0" in note for note in found["notes"])
-    assert ipv4_of_gid(fabric) == "10.77.0.11" and ipv4_of_gid(link_local) is None
+    assert ipv4_of_gid(fabric) == "10.77.0.11"
+    assert ipv4_of_gid(link_local) is None
 
 
 def test_roce_detection_without_devices_leaves_everything_unset(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from uuid import UUID
 
 import pytest
 from lab_flows import (
@@ -22,6 +21,7 @@ from lab_flows import (
     lab_worker,
     nothing_runs,
     our_containers,
+    run_artifacts,
     wait_for_state,
 )
 
@@ -33,8 +33,9 @@ from lab.brownfield import (
     make_brownfield,
 )
 from lab.cluster import Lab
-from lab.hub import HubControl
+from lab.hub.control import HubControl
 from lab.prefect_local import FLOW_RUN_ID, deploy_run, run_prefect
+from sparkdeploy.report.history import artifact_key
 from sparkdeploy.spec.plan import Plan
 from sparkdeploy.spec.project import load_plan
 from sparkdeploy.steps.preview import Preview
@@ -89,23 +90,9 @@ def _preview_run(env: dict[str, str], cluster: str) -> tuple[str, Preview]:
 
 def _preview_markdown(flow_run_id: str, plan: Plan) -> str:
     """The `preview-<deployment id>` markdown artifact the preview's flow run published."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        ArtifactFilterKey,
-    )
-
-    from sparkdeploy.report.history import artifact_key
-
-    with get_client(sync_client=True) as client:
-        [artifact] = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=[artifact_key("preview", plan.deployment_id)]),
-                flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run_id)]),
-            )
-        )
-    assert artifact.type == "markdown" and isinstance(artifact.data, str), artifact
+    [artifact] = run_artifacts(flow_run_id, any_=[artifact_key("preview", plan.deployment_id)])
+    assert artifact.type == "markdown", artifact
+    assert isinstance(artifact.data, str), artifact
     return artifact.data
 
 
@@ -116,8 +103,11 @@ def _previews_adoption(found: Preview, field: Brownfield, plan: Plan) -> None:
     assert found.refusals == [], found.markdown()
     nodes = [node.node for node in plan.nodes]
     [repo] = found.of_step("prefetch")
-    assert repo.action == "adopt" and repo.subject.startswith(f"{field.nas_repos[0]}@"), repo
-    assert repo.bytes and "adopt: hash " in repo.detail and f"({repo.bytes} B)" in repo.detail
+    assert repo.action == "adopt", repo
+    assert repo.subject.startswith(f"{field.nas_repos[0]}@"), repo
+    assert repo.bytes
+    assert "adopt: hash " in repo.detail
+    assert f"({repo.bytes} B)" in repo.detail
     assert "download" not in repo.detail, repo
 
     assert [(r.node, r.action, r.detail) for r in found.of_step("hold-nodes")] == [
@@ -137,7 +127,8 @@ def _previews_adoption(found: Preview, field: Brownfield, plan: Plan) -> None:
 
     assert {r.action for r in found.of_step("boot")} == {"none"}
     [foreign] = [r for r in found.of_step("boot") if r.subject == field.foreign_container]
-    assert foreign.node == field.foreign_node and "not ours" in foreign.detail, foreign
+    assert foreign.node == field.foreign_node, foreign
+    assert "not ours" in foreign.detail, foreign
     assert "left alone" in foreign.detail
 
 

@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from lab import chat_model
+from lab import chat_model, chat_trainer
 from lab.chat_model import (
     MARKER,
-    MODEL_FILES,
     SMOKE_SOURCE,
     chat_model_fingerprint,
     ensure_chat_model,
-    lessons,
     publish_chat_model,
 )
-from lab.hub import RepoIndex
+from lab.chat_trainer import MODEL_FILES, lessons
+from lab.hub.index import RepoIndex
 from lab.vllm_runtime import model_cache_dir
 from sparkdeploy.errors import LabError
 from sparkdeploy.steps.smoke_test import prompts
@@ -50,15 +49,15 @@ def test_lessons_are_the_smoke_prompts_and_their_answers_pass_the_smoke() -> Non
     assert taught["streaming"].prompt == prompts.STREAM_PROMPT
     assert taught["exact_copy"].answer == prompts.COPY_SENTENCE
     for lesson in taught.values():
-        assert chat_model.answer_problem(lesson, lesson.answer) is None, lesson.name
-    assert chat_model.answer_problem(taught["exact_copy"], "The keeper polished") is not None
+        assert chat_trainer.answer_problem(lesson, lesson.answer) is None, lesson.name
+    assert chat_trainer.answer_problem(taught["exact_copy"], "The keeper polished") is not None
 
 
 def test_fingerprint_changes_with_the_smoke_prompts_and_the_runtime(tmp_path: Path) -> None:
     edited = tmp_path / "prompts.py"
     edited.write_text(SMOKE_SOURCE.read_text().replace("What is 127*43?", "What is 127*44?"))
     assert Path(prompts.__file__) == SMOKE_SOURCE
-    here = Path(chat_model.__file__)
+    here = Path(chat_trainer.__file__)
     base = chat_model_fingerprint(RUNTIME_VERSION)
     assert base == chat_model_fingerprint(RUNTIME_VERSION, (here, SMOKE_SOURCE))
     assert chat_model_fingerprint(RUNTIME_VERSION, (here, edited)) != base
@@ -75,9 +74,9 @@ def test_ensure_reuses_a_complete_cache_entry_without_running_anything(tmp_path:
 
 
 def test_ensure_trains_into_the_cache_when_the_entry_is_incomplete(tmp_path: Path) -> None:
-    # Writes every model file into the directory it is given, as `-m lab.chat_model DIR` does.
+    # Writes every model file into the directory it is given, as `-m lab.chat_trainer DIR` does.
     script = " ".join(f'&& echo x > "$3/{name}"' for name in MODEL_FILES)
-    fake = _fake_python(tmp_path / "python", f'test "$2" = lab.chat_model {script} && echo done')
+    fake = _fake_python(tmp_path / "python", f'test "$2" = lab.chat_trainer {script} && echo done')
     cache = tmp_path / "cache"
     stale = cache / chat_model_fingerprint(RUNTIME_VERSION)
     stale.mkdir(parents=True)  # an interrupted run: no marker
@@ -114,7 +113,8 @@ def test_publish_replaces_the_repo_and_indexes_it(tmp_path: Path) -> None:
     old.mkdir(parents=True)
     (old / "stale.bin").write_text("old")
     repo = publish_chat_model(repos, model)
-    assert repo.path == old and repo.repo_id == "lab/tiny-llama-chat"
+    assert repo.path == old
+    assert repo.repo_id == "lab/tiny-llama-chat"
     assert sorted(path.name for path in old.iterdir()) == sorted(MODEL_FILES)
     assert repo.shards == ("model.safetensors",)
     state = RepoIndex(repos).state("lab/tiny-llama-chat")
@@ -135,8 +135,9 @@ def test_really_trains_and_answers_every_smoke_prompt(vllm_runtime: Path) -> Non
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["torch_dtype"] == "float32"
     assert config["head_dim"] in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-    assert config["num_attention_heads"] % 2 == 0 and config["num_key_value_heads"] % 2 == 0
+    assert config["num_attention_heads"] % 2 == 0
+    assert config["num_key_value_heads"] % 2 == 0
     tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    assert tokenizer_config["eos_token"] == chat_model.EOS_TOKEN
+    assert tokenizer_config["eos_token"] == chat_trainer.EOS_TOKEN
     assert "chat_template" in tokenizer_config
     assert ensure_chat_model(python, model_cache_dir()) == model_dir  # cached now

@@ -3,7 +3,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from sparkdeploy.cli import app
 from sparkdeploy.spec.plan import Plan
@@ -112,16 +112,21 @@ def test_plan_json_and_node_choice_by_path() -> None:
     assert plan.blocked is not None
 
 
-def test_plan_shows_the_blocked_reason(tmp_path: Path) -> None:
-    shutil.copytree(ROOT / "clusters", tmp_path / "clusters")
-    recipe_dir = tmp_path / "recipes" / "tiny"
+def plan_of_one_recipe(project: Path, name: str, recipe_toml: str) -> Result:
+    """`plan NAME --cluster dgx-spark-4` in a project of this repo's clusters and that recipe."""
+    shutil.copytree(ROOT / "clusters", project / "clusters")
+    recipe_dir = project / "recipes" / name
     recipe_dir.mkdir(parents=True)
-    (recipe_dir / "recipe.toml").write_text(
+    (recipe_dir / "recipe.toml").write_text(recipe_toml)
+    return runner.invoke(app, ["plan", name, "--cluster", "dgx-spark-4", "--root", str(project)])
+
+
+def test_plan_shows_the_blocked_reason(tmp_path: Path) -> None:
+    result = plan_of_one_recipe(
+        tmp_path,
+        "tiny",
         'name = "tiny [BLOCKED]"\ndocker_image = "img"\nmodel = "lab/tiny"\nrequired_nodes = 2\n'
-        'tensor_parallel_size = 2\ndocker_image_dir = "not-here"\n'
-    )
-    result = runner.invoke(
-        app, ["plan", "tiny", "--cluster", "dgx-spark-4", "--root", str(tmp_path)]
+        'tensor_parallel_size = 2\ndocker_image_dir = "not-here"\n',
     )
     assert result.exit_code == 0, result.output
     assert (
@@ -133,15 +138,11 @@ def test_plan_shows_the_blocked_reason(tmp_path: Path) -> None:
 
 
 def test_plan_refuses_a_ray_recipe_with_how_to_write_it_for_mp(tmp_path: Path) -> None:
-    shutil.copytree(ROOT / "clusters", tmp_path / "clusters")
-    recipe_dir = tmp_path / "recipes" / "tiny-ray"
-    recipe_dir.mkdir(parents=True)
-    (recipe_dir / "recipe.toml").write_text(
+    result = plan_of_one_recipe(
+        tmp_path,
+        "tiny-ray",
         'name = "tiny"\ndocker_image = "img"\nmodel = "lab/tiny"\nrequired_nodes = 2\n'
-        'tensor_parallel_size = 2\ndistributed_backend = "ray"\n'
-    )
-    result = runner.invoke(
-        app, ["plan", "tiny-ray", "--cluster", "dgx-spark-4", "--root", str(tmp_path)]
+        'tensor_parallel_size = 2\ndistributed_backend = "ray"\n',
     )
     assert result.exit_code != 0
     assert 'recipe.toml:6: distributed_backend: "ray" is refused' in result.output

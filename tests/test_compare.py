@@ -10,29 +10,21 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.errors import BootFailed, CompareError, ContainerStartError
+from sparkdeploy.report.benchmark_figures import FIGURE_BY_NAME, Spread
+from sparkdeploy.report.verdicts import NoiseRule, judge
 from sparkdeploy.spec.cluster import Cluster, load_cluster
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.spec.recipe_variant import write_variant
-from sparkdeploy.steps.benchmark import (
-    FIGURE_BY_NAME,
-    BenchmarkResult,
-    LevelResult,
-    LevelRun,
-    PromptSize,
-    RequestSample,
-    Spread,
-)
+from sparkdeploy.steps.benchmark import BenchmarkResult, LevelResult, LevelRun
+from sparkdeploy.steps.benchmark_requests import PromptSize, RequestSample
 from sparkdeploy.steps.compare import (
     CompareSide,
     Comparison,
-    NoiseRule,
     PreparedComparison,
-    SideOutcome,
-    failure_cause,
-    judge,
     place_sides,
     prepare,
 )
+from sparkdeploy.steps.compare_outcome import SideOutcome, failure_cause
 from sparkdeploy.steps.smoke_test import SmokeCheck, SmokeReport
 from sparkdeploy.steps.summary import DeploySummary
 
@@ -82,11 +74,14 @@ def test_prepare_writes_a_checked_variant_and_puts_the_diff_on_top(
         variants=tmp_path,
         root=ROOT,
     )
-    assert prepared.at_once and (prepared.a.nodes, prepared.b.nodes) == (["dgx1"], ["dgx2"])
+    assert prepared.at_once
+    assert (prepared.a.nodes, prepared.b.nodes) == (["dgx1"], ["dgx2"])
     assert prepared.a.recipe == "real-lab-1x"
     variant = Path(prepared.b.recipe)
-    assert variant.parent == tmp_path and prepared.b.recipe_id == variant.name
-    assert variant.name.startswith("real-lab-1x.") and len(variant.name) == len("real-lab-1x.") + 8
+    assert variant.parent == tmp_path
+    assert prepared.b.recipe_id == variant.name
+    assert variant.name.startswith("real-lab-1x.")
+    assert len(variant.name) == len("real-lab-1x.") + 8
     assert prepared.b.description == "real-lab-1x with args --max-num-seqs 4; without --dtype"
     assert prepared.a.deployment_id != prepared.b.deployment_id
     changed = {(d.section, d.key): (d.a, d.b) for d in prepared.diff.differences}
@@ -105,8 +100,10 @@ def test_a_variant_is_written_once_privately_and_keeps_the_recipe(tmp_path: Path
     assert write_variant(recipe, tmp_path, env={"HF_TOKEN": "hf_secret123"}) == first
     assert first.stat().st_mtime_ns == stat.st_mtime_ns  # same text: not written again
     variant = load_recipe(first)
-    assert variant.env["HF_TOKEN"] == "hf_secret123" and variant.args == recipe.args
-    assert variant.extra_mounts == recipe.extra_mounts and variant.shm_size == recipe.shm_size
+    assert variant.env["HF_TOKEN"] == "hf_secret123"
+    assert variant.args == recipe.args
+    assert variant.extra_mounts == recipe.extra_mounts
+    assert variant.shm_size == recipe.shm_size
     toggled = load_recipe(
         write_variant(recipe, tmp_path, args=["--no-enforce-eager", "--max_num_seqs=2"])
     )
@@ -236,7 +233,8 @@ def test_overrides_a_recipe_cannot_take_are_named(tmp_path: Path) -> None:
 
 def test_verdicts_allow_for_the_spread_and_the_floor() -> None:
     assert judge(0.05, 0.1, "higher") == "same"
-    assert judge(-0.5, 0.1, "higher") == "worse" and judge(-0.5, 0.1, "lower") == "better"
+    assert judge(-0.5, 0.1, "higher") == "worse"
+    assert judge(-0.5, 0.1, "lower") == "better"
     assert judge(1.0, 0.1, None) == "—"
 
 
@@ -352,7 +350,8 @@ def test_a_slower_side_is_worse_on_decode_and_the_same_on_correctness(
     assert comparison.row("log", "KV cache (tokens)").verdict == "same"
     assert comparison.row("run", "outcome").verdict == "same"
     decode = comparison.row("c=4", "decode tok/s per request (p50)")
-    assert decode.a.startswith("95.2 ± ") and decode.difference.startswith("−")
+    assert decode.a.startswith("95.2 ± ")
+    assert decode.difference.startswith("−")
     assert decode.difference.endswith("(-74%)")
 
 
@@ -380,7 +379,9 @@ def test_a_failed_side_is_named_and_the_other_is_still_shown(
     assert comparison.failed == [b]
     assert comparison.row("run", "outcome").verdict == "worse"
     output = comparison.row("c=4", "output tok/s")
-    assert output.b == "—" and output.verdict == "—" and output.a != "—"
+    assert output.b == "—"
+    assert output.verdict == "—"
+    assert output.a != "—"
     markdown = comparison.markdown({"A": "http://ui/runs/flow-run/1"})
     assert "FAILED at deploy: engine_core_init_failed: RuntimeError: x (on dgx1)" in markdown
     assert "[side A](http://ui/runs/flow-run/1)" in markdown
@@ -407,5 +408,6 @@ def test_the_artifact_has_the_diff_on_top_then_the_table(prepared: PreparedCompa
     diff_at = markdown.index("## What differs")
     assert "| env | `STANDIN_DECODE_DELAY_S` | (not set) | 0.02 |" in markdown
     assert diff_at < markdown.index("| env |") < markdown.index("## Side by side")
-    assert "| c=4 | decode tok/s per request (p50) |" in markdown and "**worse**" in markdown
+    assert "| c=4 | decode tok/s per request (p50) |" in markdown
+    assert "**worse**" in markdown
     assert "Noise: benchmark figures: median of the repeated runs" in markdown

@@ -6,29 +6,26 @@ Each leaves nothing running."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from lab_flows import nothing_runs, recipe_variant
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (
-    ArtifactFilter,
-    ArtifactFilterFlowRunId,
-    ArtifactFilterKey,
-)
+from lab_flows import LAB_SINGLE_RECIPE, compare_artifact, nothing_runs, recipe_variant
 
 from flows.compare import compare
-from lab.prefect_local import PROJECT_ROOT
 from sparkdeploy.errors import CompareError
 from sparkdeploy.steps.benchmark import BenchmarkSettings
 from sparkdeploy.steps.compare import CompareSide, Comparison
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 
-SINGLE = PROJECT_ROOT / "recipes" / "lab-single" / "recipe.toml"
-# Small enough for a few minutes on two cores, long enough for per-request decode rates.
+# Small enough for a few minutes on two cores, long enough for per-request decode rates. The
+# decode at a context depth is tests/test_compare_quality_lab.py's.
 SETTINGS = BenchmarkSettings(
-    concurrency=[1, 4], input_tokens=64, output_tokens=32, requests_per_level=24, repeats=3
+    concurrency=[1, 4],
+    input_tokens=64,
+    output_tokens=32,
+    requests_per_level=24,
+    repeats=3,
+    decode_depths=[],
 )
 FAST, SLOW = "0.004", "0.02"  # seconds per streamed chunk
 # The lab's engines, clients and other labs share two cores: between one minute and the next a
@@ -52,23 +49,6 @@ def delay(seconds: str) -> CompareSide:
     return CompareSide(recipe="lab-single", env={"STANDIN_DECODE_DELAY_S": seconds})
 
 
-def compare_artifact(flow_run_id: Any) -> str:
-    """The markdown of the artifact the compare run wrote."""
-    import asyncio
-
-    async def read() -> Any:
-        async with get_client() as client:
-            return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(
-                    flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
-                    key=ArtifactFilterKey(like_="compare-"),
-                )
-            )
-
-    [artifact] = asyncio.run(read())
-    return str(artifact.data)
-
-
 def print_client_checks(comparison: Comparison) -> None:
     for side in (comparison.a, comparison.b):
         assert side.benchmark is not None
@@ -89,23 +69,26 @@ def test_a_slower_side_is_worse_on_decode_rate_and_the_same_on_correctness(clust
     )
     comparison: Comparison = state.result()
     assert comparison.prepared.at_once  # one node each out of three: at once
-    assert comparison.prepared.a.nodes == ["node1"] and comparison.prepared.b.nodes == ["node2"]
+    assert comparison.prepared.a.nodes == ["node1"]
+    assert comparison.prepared.b.nodes == ["node2"]
     for level in ("c=1", "c=4"):
         for figure in ("decode tok/s per request (p50)", "output tok/s", "ITL p50 (ms)"):
             assert comparison.row(level, figure).verdict == "worse", comparison.row(level, figure)
     smoke = [row for row in comparison.rows if row.group == "smoke"]
-    assert smoke and all(row.verdict == "same" and row.a == row.b == "pass" for row in smoke)
+    assert smoke
+    assert all(row.verdict == "same" and row.a == row.b == "pass" for row in smoke)
     print_client_checks(comparison)
     markdown = compare_artifact(state.state_details.flow_run_id)
     assert "STANDIN_DECODE_DELAY_S" in markdown.split("## Side by side")[0]  # the diff on top
-    assert "data:image/svg+xml;base64," in markdown and "**worse**" in markdown
+    assert "data:image/svg+xml;base64," in markdown
+    assert "**worse**" in markdown
     assert markdown.count("](http") >= 2  # both sides' runs linked
     print(markdown)
     nothing_runs(cluster)
 
 
 def test_a_recipe_against_its_copy_is_the_same_everywhere(cluster: str, tmp_path: Path) -> None:
-    copy = recipe_variant(tmp_path, "lab-single-copy", SINGLE)
+    copy = recipe_variant(tmp_path, "lab-single-copy", LAB_SINGLE_RECIPE)
     comparison = compare(
         side_a=CompareSide(recipe="lab-single"),
         side_b=CompareSide(recipe=copy),
@@ -120,7 +103,8 @@ def test_a_recipe_against_its_copy_is_the_same_everywhere(cluster: str, tmp_path
     assert comparison.prepared.diff.same
     judged = [row for row in comparison.rows if row.verdict != "—"]
     print("\n".join(f"{r.group} | {r.figure} | {r.a} | {r.b} | {r.verdict}" for r in judged))
-    assert judged and [row for row in judged if row.verdict != "same"] == []
+    assert judged
+    assert [row for row in judged if row.verdict != "same"] == []
     print_client_checks(comparison)
     nothing_runs(cluster)
 
@@ -143,5 +127,6 @@ def test_a_side_that_fails_is_named_and_the_other_still_runs(cluster: str) -> No
         assert f"FAILED at {step}" in markdown
         [output] = [line for line in markdown.splitlines() if line.startswith("| c=2 | output")]
         a, b = output.split(" | ")[2:4]
-        assert float(a.split()[0]) > 0 and b == "—"  # A measured, B not
+        assert float(a.split()[0]) > 0
+        assert b == "—"
         nothing_runs(cluster)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hfcache_layout import cache_repo, commit_of
 from huggingface_hub import scan_cache_dir, snapshot_download
-from local_node import LocalPython
 
+from lab.testing.hfcache_layout import cache_repo, commit_of
+from lab.testing.local_node import LocalNode
 from lab.tinymodel import EngramSpec, generate_repo
 from sparkdeploy.errors import ComposeError
 from sparkdeploy.spec.plan import ComposedPlan, EngramStage
@@ -56,7 +56,7 @@ def layout(tmp_path: Path) -> Layout:
 
 def run(layout: Layout, *, revision: str | None = None) -> compose.ComposeResult:
     return compose.compose_on_node(
-        LocalPython(),
+        LocalNode(),
         "node-test",
         nas_hf_cache=str(layout.hf_cache),
         composed=ComposedPlan(
@@ -228,12 +228,12 @@ def test_engine_standin_boots_offline_from_staged_and_composed_dirs(tmp_path: Pa
             for shard in repo.engram_shards.values()
         ]
         staged = staging.stage_on_node(
-            LocalPython(), f"node{rank}", nas_hf_cache=str(nas), stages=stages
+            LocalNode(), f"node{rank}", nas_hf_cache=str(nas), stages=stages
         )
         assert [result.status for result in staged] == ["copied"] * len(stages)
         root = tmp_path / f"node{rank}" / "composed" / "tiny"
         composed = compose.compose_on_node(
-            LocalPython(),
+            LocalNode(),
             f"node{rank}",
             nas_hf_cache=str(nas),
             composed=ComposedPlan(

@@ -3,15 +3,12 @@ the node: what is tested is how docker's answers are read)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import cast
-
 import pytest
 
+from lab.testing.local_node import ScriptedNode
 from sparkdeploy.errors import RemoteError
 from sparkdeploy.remote import docker_cli
-from sparkdeploy.remote.docker_cli import Runner, remove_containers
-from sparkdeploy.remote.ssh import CommandResult
+from sparkdeploy.remote.docker_cli import remove_containers
 
 CONTAINER = "d614187a1b5b71ed951d46cf5a7fb6bdfe9abba158f9a1507a7fd8bf65ac9cca"
 IN_PROGRESS = (
@@ -19,47 +16,27 @@ IN_PROGRESS = (
 ).encode()
 
 
-class ScriptedDocker:
-    """Answers each `docker` command with the next scripted (exit code, stdout, stderr)."""
-
-    def __init__(self, *answers: tuple[int, bytes, bytes]) -> None:
-        self.answers = list(answers)
-        self.commands: list[list[str]] = []
-
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float,
-        stdin: bytes | None = None,
-        check: bool = True,
-    ) -> CommandResult:
-        self.commands.append(list(argv)[1:2])
-        code, out, err = self.answers.pop(0)
-        return CommandResult(tuple(argv), code, out, err)
-
-
 def test_a_removal_already_under_way_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(docker_cli, "REMOVAL_POLL_S", 0.0)
-    node = ScriptedDocker(
+    node = ScriptedNode(
         (0, CONTAINER[:12].encode(), b""),  # stop
         (1, b"", IN_PROGRESS),  # rm
         (0, f"{CONTAINER}\nabc\n".encode(), b""),  # ps: still there
         (0, b"abc\n", b""),  # ps: gone
     )
-    remove_containers(cast(Runner, node), "node2", [CONTAINER[:12]], stop_timeout_s=1)
-    assert node.commands == [["stop"], ["rm"], ["ps"], ["ps"]]
+    remove_containers(node, "node2", [CONTAINER[:12]], stop_timeout_s=1)
+    assert [ran.argv[1] for ran in node.ran] == ["stop", "rm", "ps", "ps"]
 
 
 def test_a_removal_that_never_finishes_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(docker_cli, "REMOVAL_POLL_S", 0.0)
     monkeypatch.setattr(docker_cli, "DOCKER_TIMEOUT_S", 0.0)
-    node = ScriptedDocker((0, b"", b""), (1, b"", IN_PROGRESS), (0, CONTAINER.encode(), b""))
+    node = ScriptedNode((0, b"", b""), (1, b"", IN_PROGRESS), (0, CONTAINER.encode(), b""))
     with pytest.raises(RemoteError, match=r"node node2: containers d614187a1b5b were still"):
-        remove_containers(cast(Runner, node), "node2", [CONTAINER[:12]], stop_timeout_s=1)
+        remove_containers(node, "node2", [CONTAINER[:12]], stop_timeout_s=1)
 
 
 def test_another_removal_error_is_raised_with_dockers_words() -> None:
-    node = ScriptedDocker((0, b"", b""), (1, b"", b"Error response from daemon: device busy"))
+    node = ScriptedNode((0, b"", b""), (1, b"", b"Error response from daemon: device busy"))
     with pytest.raises(RemoteError, match=r"removing containers failed.*device busy"):
-        remove_containers(cast(Runner, node), "node2", [CONTAINER[:12]], stop_timeout_s=1)
+        remove_containers(node, "node2", [CONTAINER[:12]], stop_timeout_s=1)

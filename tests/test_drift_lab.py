@@ -23,7 +23,7 @@ from flows.prefetch_all import prefetch_all
 from flows.preview import preview as preview_flow
 from flows.teardown import teardown
 from lab.cluster import Lab
-from lab.hub import HubControl
+from lab.hub.control import HubControl
 from lab.models import TINY_CHAT, publish_lab_models
 from sparkdeploy.node.hfcache import resolve_snapshot
 from sparkdeploy.remote.ssh import cached_connection
@@ -80,7 +80,8 @@ def test_a_branch_that_moved_on_the_hub_is_shown_and_kept_until_update_revisions
         found = preview_flow(RECIPE, cluster=cluster)
         print(f"\n--- the preview after main moved ---\n{found.markdown()}")
         [repo] = found.of_step("prefetch")
-        assert repo.action == "none" and repo.subject == f"{REPO}@main ({deployed[:12]})", repo
+        assert repo.action == "none", repo
+        assert repo.subject == f"{REPO}@main ({deployed[:12]})", repo
         assert f"main at {deployed[:12]}, as the NAS holds it" in repo.detail
         # The new commit's snapshot is all missing, but only the added file's bytes are not in
         # the NAS's blobs already: they alone would come from the hub.
@@ -107,7 +108,8 @@ def test_a_branch_that_moved_on_the_hub_is_shown_and_kept_until_update_revisions
             ["docker", "kill", node.container.name], timeout=60
         )
         repaired = deploy(RECIPE, cluster=cluster, repair_cause="test")
-        assert repaired.note == "" and repaired.ready_after_s is not None, repaired
+        assert repaired.note == "", repaired
+        assert repaired.ready_after_s is not None, repaired
         assert our_containers(plan)[node.container.name] != running[node.container.name]
         assert _nas_main(nas) == deployed
         assert hub.requests() == [], hub.requests()

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hfcache_layout import cache_repo
 
 from lab.engine import standin_model
 from lab.engine.standin_args import parse_command_line
@@ -32,6 +31,7 @@ from lab.engine.standin_faults import MARKER_NAMED_KINDS, Faults, FaultSpecError
 from lab.engine.standin_log import EngineFatal
 from lab.engine.standin_net import check_node_network, nccl_interfaces_matching
 from lab.engine.vllm_standin import StandinEngine
+from lab.testing.hfcache_layout import cache_repo
 from lab.tinymodel import EngramSpec, GeneratedRepo, generate_repo
 from sparkdeploy.node import engram
 from sparkdeploy.vllm.markers import (
@@ -300,7 +300,8 @@ def test_single_node_prints_vllm_markers_in_order_then_serves(plain_engine: Engi
         engine.url("/v1/chat/completions"),
         {"model": "other", "messages": [{"role": "user", "content": "hi"}]},
     )
-    assert status == 404 and "other" in missing["error"]["message"]
+    assert status == 404
+    assert "other" in missing["error"]["message"]
 
 
 def test_long_prompt_and_streaming_with_usage(plain_engine: Engine) -> None:
@@ -325,7 +326,8 @@ def test_long_prompt_and_streaming_with_usage(plain_engine: Engine) -> None:
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert streamed == content_of(chat(engine, "What is Fib(10)?"))
     usage = chunks[-1]["usage"]
-    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] > 1
+    assert chunks[-1]["choices"] == []
+    assert usage["completion_tokens"] > 1
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
@@ -351,7 +353,8 @@ def test_metrics_carry_the_real_engines_names_and_count_what_was_served(
     real = REPO_ROOT / "tests" / "fixtures" / "vllm-0.32-cpu" / "metrics.txt"
     real_names = {sample.name for sample in parse_samples(real.read_text())}
     before = scrape_metrics(engine.url(""))
-    assert before.metrics is not None and before.metrics.missing == ()
+    assert before.metrics is not None
+    assert before.metrics.missing == ()
     settings = SmokeSettings(engine.url(""), "tiny", max_tokens=12, extra_body={"ignore_eos": True})
     prompt = " ".join(f"word{index}" for index in range(40))  # 46 tokens with the template's
     replies = [chat_stream(settings, f"r{index}", prompt) for index in range(3)]
@@ -362,7 +365,8 @@ def test_metrics_carry_the_real_engines_names_and_count_what_was_served(
     assert activity.requests_finished == 3
     assert activity.generation_tokens == 3 * 12
     assert activity.prompt_tokens == sum(r.reply.usage["prompt_tokens"] for r in replies)
-    assert activity.ttft.count == 3 and activity.e2e.count == 3
+    assert activity.ttft.count == 3
+    assert activity.e2e.count == 3
     assert activity.itl.count == 3 * (12 - 1)
     # the prompt's 2 whole 16-token blocks are cached after the first request
     assert activity.prefix_cache_hits == 2 * 2 * 16
@@ -376,12 +380,14 @@ def test_reasoning_parser_and_auto_tool_choice(engines: Engines) -> None:
     engine.wait_ready()
     low = chat(engine, "What is 127*43?", chat_template_kwargs={"reasoning_effort": "low"})
     message = low["choices"][0]["message"]
-    assert message["reasoning"] and message["reasoning_content"] == message["reasoning"]
+    assert message["reasoning"]
+    assert message["reasoning_content"] == message["reasoning"]
     assert "5461" in message["content"]
     # GLM's template thinks at maximum effort unless told otherwise: a short budget is all
     # reasoning and no content, the failure the recipe's chat_template_kwargs prevents.
     untold = chat(engine, "What is 127*43?", max_tokens=64)
-    assert content_of(untold) is None and untold["choices"][0]["finish_reason"] == "length"
+    assert content_of(untold) is None
+    assert untold["choices"][0]["finish_reason"] == "length"
 
     tools = [
         {
@@ -398,7 +404,8 @@ def test_reasoning_parser_and_auto_tool_choice(engines: Engines) -> None:
     ]
     called = chat(engine, "What is the weather in Paris?", tools=tools)
     call = called["choices"][0]["message"]["tool_calls"][0]["function"]
-    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
+    assert call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == {"city": "Paris"}
     assert called["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -410,7 +417,8 @@ def test_tools_without_auto_tool_choice_are_refused(plain_engine: Engine) -> Non
             "tools": [{"type": "function", "function": {"name": "get_weather"}}],
         },
     )
-    assert status == 400 and "--enable-auto-tool-choice" in reply["error"]["message"]
+    assert status == 400
+    assert "--enable-auto-tool-choice" in reply["error"]["message"]
 
 
 def test_api_port_is_bound_but_refuses_connections_until_ready(engines: Engines) -> None:
@@ -418,14 +426,15 @@ def test_api_port_is_bound_but_refuses_connections_until_ready(engines: Engines)
     engine.wait_for_line(r"non-default args")
     assert engine.port is not None
     with socket.socket() as other:
-        with pytest.raises(OSError) as taken:
+        with pytest.raises(OSError, match=re.escape(os.strerror(errno.EADDRINUSE))) as taken:
             other.bind(("127.0.0.1", engine.port))
         assert taken.value.errno == errno.EADDRINUSE
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", engine.port), timeout=2).close()
     engine.wait_ready()
     took = re.search(r"Loading weights took ([\d.]+) seconds", engine.log())
-    assert took and float(took.group(1)) >= 2.0
+    assert took
+    assert float(took.group(1)) >= 2.0
 
 
 def test_quantprobe_marker(engines: Engines) -> None:
@@ -443,6 +452,7 @@ def test_runs_from_a_flat_copy_as_in_the_image(engines: Engines, tmp_path: Path)
     for source in [
         *(REPO_ROOT / "lab" / "engine").glob("*.py"),
         REPO_ROOT / "sparkdeploy" / "node" / "engram.py",
+        REPO_ROOT / "sparkdeploy" / "errors.py",
         REPO_ROOT / "sparkdeploy" / "vllm" / "kv_cache.py",
         REPO_ROOT / "lab" / "tinymodel.py",
     ]:
@@ -532,7 +542,8 @@ def test_ray_backend_with_nnodes_is_an_error(
     code, printed = run_in_process(
         capsys, hf_cache, "--distributed-executor-backend", "ray", "--nnodes", "2", "-tp", "2"
     )
-    assert code == 1 and "needs distributed_executor_backend='mp'" in printed
+    assert code == 1
+    assert "needs distributed_executor_backend='mp'" in printed
 
 
 # -- the node's network -------------------------------------------------------------------
@@ -569,7 +580,8 @@ def test_wrong_host_ip_or_interface_fails_before_loading(
     if env.get("VLLM_HOST_IP") in _local_addresses():
         pytest.skip("this host has the TEST-NET address")
     code, printed = run_in_process(capsys, hf_cache, env=env)
-    assert code == 1 and re.search(line, printed), printed
+    assert code == 1, printed
+    assert re.search(line, printed), printed
     assert "Loading weights" not in printed
 
 
@@ -610,7 +622,8 @@ def test_three_nodes_rendezvous_verify_their_rows_and_answer(
     for rank, worker in enumerate(workers, start=1):
         log = worker.log()
         assert re.search(HEADLESS_WORKER_JOINED.pattern, log)
-        assert f"TP rank {rank}/3" in log and "Model loading took" in log
+        assert f"TP rank {rank}/3" in log
+        assert "Model loading took" in log
     assert head.log().count("joined the process group") == 2
     head.process.send_signal(signal.SIGTERM)
     assert head.wait_exit() == 0
@@ -689,7 +702,8 @@ def test_fault_switch_can_target_one_node_rank(engines: Engines) -> None:
     worker = engines.start(*node_flags(1, 2, master_port), env={"STANDIN_FAULT": "crash@1"})
     assert worker.wait_exit() == 1
     assert head.wait_exit() == 1
-    assert "Traceback" in worker.log() and "Traceback" not in head.log()
+    assert "Traceback" in worker.log()
+    assert "Traceback" not in head.log()
 
 
 # -- Engram rows, in process --------------------------------------------------------------
@@ -720,7 +734,8 @@ def test_engram_rows_of_a_sparse_copy(
         return
     with pytest.raises(EngineFatal) as failed:
         standin_model.verify_engram_rows(model, [check_rank], 3)
-    assert problem in failed.value.lines[-1] and f"TP rank {check_rank}/3" in failed.value.lines[-1]
+    assert problem in failed.value.lines[-1]
+    assert f"TP rank {check_rank}/3" in failed.value.lines[-1]
 
 
 def test_engram_rows_with_wrong_content(repo: GeneratedRepo, tmp_path: Path) -> None:
@@ -742,7 +757,8 @@ def test_missing_repo_fails_as_offline_huggingface_hub(
     capsys: pytest.CaptureFixture[str], hf_cache: Path
 ) -> None:
     code, printed = run_in_process(capsys, hf_cache, model="lab/not-cached")
-    assert code == 1 and "LocalEntryNotFoundError" in printed
+    assert code == 1
+    assert "LocalEntryNotFoundError" in printed
     assert "Engine core initialization failed" in printed
 
 
@@ -780,16 +796,19 @@ def test_fatal_switch_prints_the_line_the_gate_knows(
 
 def test_emergent_memory_failures(capsys: pytest.CaptureFixture[str], hf_cache: Path) -> None:
     code, printed = run_in_process(capsys, hf_cache, env={"STANDIN_GPU_FREE_GIB": "100"})
-    assert code == 1 and "Free memory on device cuda:0 (100.00/121.63 GiB)" in printed
+    assert code == 1
+    assert "Free memory on device cuda:0 (100.00/121.63 GiB)" in printed
     code, printed = run_in_process(
         capsys, hf_cache, "--kv-cache-memory-bytes", "64K", "--max-model-len", "524288"
     )
-    assert code == 1 and "max seq len (524288)" in printed
+    assert code == 1
+    assert "max seq len (524288)" in printed
 
 
 def test_crash_during_load(capsys: pytest.CaptureFixture[str], hf_cache: Path) -> None:
     code, printed = run_in_process(capsys, hf_cache, env={"STANDIN_FAULT": "crash"})
-    assert code == 1 and "Traceback (most recent call last)" in printed
+    assert code == 1
+    assert "Traceback (most recent call last)" in printed
     assert "Engine core initialization failed" in printed
 
 
@@ -819,7 +838,8 @@ def test_slow_boot_past_the_engine_ready_timeout(
         hf_cache,
         env={"STANDIN_FAULT": "slow_boot:30", "VLLM_ENGINE_READY_TIMEOUT_S": "0.5"},
     )
-    assert code == 1 and "TimeoutError: Timed out waiting for engine core processes" in printed
+    assert code == 1
+    assert "TimeoutError: Timed out waiting for engine core processes" in printed
 
 
 def test_token_loop_garbled_and_empty(engines: Engines) -> None:
@@ -830,7 +850,8 @@ def test_token_loop_garbled_and_empty(engines: Engines) -> None:
         engine.wait_ready()
     looped = chat(loop, "What is 127*43?", max_tokens=40)
     words = (content_of(looped) or "").split()
-    assert len(words) > 20 and len(set(words)) <= 4
+    assert len(words) > 20
+    assert len(set(words)) <= 4
     assert looped["choices"][0]["finish_reason"] == "length"
     assert "5461" not in (content_of(chat(garbled, "What is 127*43?")) or "")
     assert content_of(chat(empty, "What is 127*43?")) == ""
@@ -862,6 +883,26 @@ def test_die_after_ready_turns_health_503_then_exits(engines: Engines) -> None:
     engine.wait_for_line(r"EngineDeadError")
     assert get(engine.url("/health"))[0] == 503
     assert engine.wait_exit() == 0  # as vLLM: status 0 after the engine died
+
+
+def test_fail_requests_answers_500_while_its_file_exists_and_health_stays_200(
+    engines: Engines, tmp_path: Path
+) -> None:
+    switch = tmp_path / "fail-requests"
+    engine = engines.start(env={"STANDIN_FAULT": f"fail_requests:{switch}"})
+    engine.wait_ready()
+    assert "5461" in (content_of(chat(engine, "What is 127*43?")) or "")
+    switch.touch()
+    status, reply = post(
+        engine.url("/v1/chat/completions"),
+        {"messages": [{"role": "user", "content": "What is 127*43?"}]},
+    )
+    assert status == 500
+    assert reply["error"]["type"] == "InternalServerError"
+    assert reply["error"]["message"].startswith("EngineCore encountered an issue.")
+    assert get(engine.url("/health"))[0] == 200
+    switch.unlink()
+    assert "5461" in (content_of(chat(engine, "What is 127*43?")) or "")
 
 
 def test_a_fault_once_dir_makes_a_switch_strike_the_first_engine_only(
@@ -904,7 +945,7 @@ def test_an_api_key_guards_v1_as_vllm_does_and_the_probes_send_it(
 ) -> None:
     from pydantic import SecretStr
 
-    from sparkdeploy.steps.readiness_gate import probe_completion, probe_endpoint
+    from sparkdeploy.remote.engine_http import probe_completion, probe_endpoint
     from sparkdeploy.steps.smoke_test import SmokeSettings, chat_stream
     from sparkdeploy.steps.smoke_test import chat as smoke_chat
 
@@ -921,7 +962,9 @@ def test_an_api_key_guards_v1_as_vllm_does_and_the_probes_send_it(
     assert post(engine.url("/v1/completions"), {"model": "tiny", "prompt": "Hi"})[0] == 401
     base = engine.url("")
     refused = probe_endpoint(base, "tiny", timeout=5)
-    assert not refused.ready and "401" in refused.detail and "sets none" in refused.detail
+    assert not refused.ready
+    assert "401" in refused.detail
+    assert "sets none" in refused.detail
     assert "other than" in probe_endpoint(base, "tiny", timeout=5, api_key=SecretStr("no")).detail
     assert probe_endpoint(base, "tiny", timeout=5, api_key=SecretStr(key)).ready
     assert probe_completion(base, "tiny", timeout=30, api_key=SecretStr(key)).ready

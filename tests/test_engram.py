@@ -110,7 +110,8 @@ def test_config_at_top_level_and_without_engram() -> None:
     top_level = EngramGeometry.from_config(small_config())
     nested = EngramGeometry.from_config({"text_config": small_config(), "hidden_size": 8})
     assert top_level == nested
-    assert top_level is not None and top_level.layer_ids == (0, 2)
+    assert top_level is not None
+    assert top_level.layer_ids == (0, 2)
 
 
 @pytest.mark.parametrize(
@@ -252,15 +253,16 @@ def test_merge_ranges() -> None:
     assert merge_ranges([(10, 20), (0, 5), (5, 7), (15, 30), (40, 40)]) == [(0, 7), (10, 30)]
 
 
-def test_module_runs_alone_with_the_standard_library(tmp_path: Path) -> None:
-    shutil.copy(
-        Path(__file__).parents[1] / "sparkdeploy" / "node" / "engram.py", tmp_path / "engram.py"
-    )
+def test_module_runs_flat_beside_errors_with_the_standard_library(tmp_path: Path) -> None:
+    """As the lab's engine image holds it: engram.py and errors.py copied flat, no package."""
+    package = Path(__file__).parents[1] / "sparkdeploy"
+    for source in (package / "node" / "engram.py", package / "errors.py"):
+        shutil.copy(source, tmp_path / source.name)
     probe = (
-        "import engram, sys; "
+        "import engram, errors, sys; "
         f"g = engram.EngramGeometry.from_config({{'text_config': {DSV41_TEXT_CONFIG!r}}}); "
         "print(g.rank_rows(0, 3, 4)); "
-        "print('sparkdeploy' in sys.modules)"
+        "print('sparkdeploy' in sys.modules, engram.EngramError is errors.EngramError)"
     )
     result = subprocess.run(
         [sys.executable, "-S", "-c", probe],
@@ -270,4 +272,4 @@ def test_module_runs_alone_with_the_standard_library(tmp_path: Path) -> None:
         timeout=30,
         check=True,
     )
-    assert result.stdout.split("\n")[:2] == ["(288003654, 384006168)", "False"]
+    assert result.stdout.split("\n")[:2] == ["(288003654, 384006168)", "False True"]

@@ -7,7 +7,7 @@ from pathlib import Path
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.events import UNHEALTHY, Health, health_event
 from sparkdeploy.spec.plan import make_plan
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = make_plan(
@@ -23,7 +23,8 @@ def test_an_unhealthy_event_names_the_deployment_node_and_cause_and_how_to_redep
     assert event["event"] == UNHEALTHY == "sparkdeploy.deployment.unhealthy"
     resource = event["resource"]
     assert resource["prefect.resource.id"] == f"sparkdeploy.deployment.{PLAN.deployment_id}"
-    assert resource["sparkdeploy.node"] == "dgx2" and resource["sparkdeploy.nodes"] == "dgx1,dgx2"
+    assert resource["sparkdeploy.node"] == "dgx2"
+    assert resource["sparkdeploy.nodes"] == "dgx1,dgx2"
     assert all(isinstance(value, str) for value in resource.values())  # labels are strings
     payload = event["payload"]
     assert (payload["recipe"], payload["cluster"], payload["nodes"]) == (

@@ -17,7 +17,8 @@ from sparkdeploy.errors import FitError, RecipeError
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.memory import human_readable_int, read_memory_flags
 from sparkdeploy.spec.plan import Plan, make_plan
-from sparkdeploy.spec.recipe import Recipe, load_recipe
+from sparkdeploy.spec.recipe import Recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.steps.fit import estimate, fit_report, pp_layer_ranges, read_model
 from sparkdeploy.vllm.args import normalise_args
 from sparkdeploy.vllm.kv_cache import FP8_DS_MLA_TOKEN_BYTES, KvGeometry
@@ -181,7 +182,8 @@ def test_a_model_whose_context_cannot_fit_is_refused_with_figures_and_knobs(
     [node] = report.nodes
     # 2 layers x (K, V) x 8 KV heads x head_dim 64 x 2 bytes (bfloat16) a token
     assert node.kv_bytes_per_token == 4096
-    assert node.kv_request_bytes == 16 * GIB and node.verdict == "does not fit"
+    assert node.kv_request_bytes == 16 * GIB
+    assert node.verdict == "does not fit"
     refusal = report.refusal or ""
     for expected in (
         "recipe ",
@@ -204,7 +206,8 @@ def test_a_tight_fit_and_a_short_concurrency_are_warned(tmp_path: Path) -> None:
     cluster = inventory(tmp_path, memory_gib=6.0, overhead_gib=2.0)
     plan = plan_for(long_context_recipe(args=["--max-model-len", "860K"]), cluster)
     report = fit_report(plan)
-    assert report.refusal is None and report.nodes[0].verdict == "tight"
+    assert report.refusal is None
+    assert report.nodes[0].verdict == "tight"
     assert "under the 5% margin" in report.warnings[0]
     many = long_context_recipe(args=["--max-model-len", "256K", "--max-num-seqs", "8"])
     [warning] = fit_report(plan_for(many, cluster)).warnings
@@ -260,7 +263,9 @@ def test_vllm_reads_lengths_and_sizes_as_its_argparse_does() -> None:
         524288,
         3 * GIB,
     ]
-    with pytest.raises(ValueError):
+    with pytest.raises(
+        ValueError, match=re.escape("invalid literal for int() with base 10: '1.5'")
+    ):
         human_readable_int("1.5K")
 
 
@@ -287,7 +292,7 @@ def test_pipeline_stages_take_layers_as_vllm_splits_them() -> None:
     # vllm/distributed/utils.py get_pp_indices: the remainder goes to all stages but the last.
     assert [len(r) for r in pp_layer_ranges(10, 4)] == [2, 3, 3, 2]
     assert [len(r) for r in pp_layer_ranges(5, 2)] == [3, 2]
-    assert pp_layer_ranges(4, 1) == [range(0, 4)]
+    assert pp_layer_ranges(4, 1) == [range(4)]
 
 
 def test_an_mla_cache_is_one_latent_per_token_that_tensor_parallelism_does_not_split() -> None:

@@ -1,8 +1,8 @@
-"""Readiness over real SSH on the lab: Connection.stream_lines, then sparkdeploy.steps.follow_logs
-following engine stand-in containers on the lab nodes (good boot, fatal lines on the head and on
-a worker, a SIGKILL from outside that is no OOM kill, a missing container). The faults through
-the whole deploy are tests/test_fault_matrix.py; a link dropped under a boot is
-tests/test_follow_logs_lab.py.
+"""Readiness over real SSH on the lab: Connection.stream_lines, then
+sparkdeploy.steps.readiness_gate.follow_logs following engine stand-in containers on the lab
+nodes (good boot, fatal lines on the head and on a worker, a SIGKILL from outside that is no OOM
+kill, a missing container). The faults through the whole deploy are tests/test_fault_matrix_*.py;
+a link dropped under a boot is tests/test_follow_logs_lab.py.
 
 Without the lab (scripted streams in place of SSH): a log stream lost mid-boot is resumed where
 it stopped, and a node that stays unreachable fails the boot naming the lost link."""
@@ -22,13 +22,13 @@ from readiness_lab import Deployment, lab_plan
 
 from lab.cluster import Lab
 from sparkdeploy.errors import BootFailed, RemoteError, TransientRemoteError
-from sparkdeploy.remote.ssh import Connection, SshTarget, StreamEnd, cached_connection
+from sparkdeploy.remote.runner import StreamEnd
+from sparkdeploy.remote.ssh import Connection, SshTarget, cached_connection
 from sparkdeploy.remote.targets import node_target
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import Plan, make_plan
-from sparkdeploy.spec.recipe import load_recipe
-from sparkdeploy.steps import follow_logs
-from sparkdeploy.steps.follow_logs import gate_for, wait_until_ready
+from sparkdeploy.spec.recipe_loading import load_recipe
+from sparkdeploy.steps.readiness_gate import follow_logs, gate_for, wait_until_ready
 
 lab = pytest.mark.lab
 
@@ -81,9 +81,11 @@ def test_stream_lines_ends_when_stopped_and_the_remote_command_goes(node1: Conne
 @lab
 def test_stream_lines_ends_at_its_timeout_and_when_idle(node1: Connection) -> None:
     timed = node1.stream_lines(["sh", "-c", "while sleep 0.1; do echo tick; done"], timeout=1)
-    assert set(timed) <= {b"tick"} and (timed.ended, timed.exit_code) == ("timeout", None)
+    assert set(timed) <= {b"tick"}
+    assert (timed.ended, timed.exit_code) == ("timeout", None)
     idle = node1.stream_lines(["sh", "-c", "echo once; sleep 5"], timeout=30, idle_timeout=0.5)
-    assert list(idle) == [b"once"] and (idle.ended, idle.exit_code) == ("idle", None)
+    assert list(idle) == [b"once"]
+    assert (idle.ended, idle.exit_code) == ("idle", None)
 
 
 # -- readiness of stand-in containers ----------------------------------------------------------
@@ -111,7 +113,8 @@ def test_three_nodes_are_ready_with_the_timeline_of_every_node(
     assert sorted(joined) == workers
     head_markers = [entry.marker for entry in result.timeline if entry.node == head]
     assert head_markers[-3:] == ["application_ready", "endpoint_healthy", "endpoint_ready"]
-    assert result.figures["kv_cache_tokens"] > 0 and result.figures["max_concurrency"] > 0
+    assert result.figures["kv_cache_tokens"] > 0
+    assert result.figures["max_concurrency"] > 0
     assert gate.timeline == result.timeline
 
 
@@ -139,7 +142,8 @@ def test_a_fatal_line_fails_naming_the_node_and_the_cause(
         wait_until_ready(plan, gate, timeout_s=FAULT_BOOT_S)
     error = caught.value
     assert (error.node, error.kind) == (plan.nodes[rank].node, kind)
-    assert quoted in error.cause and any(quoted in line for line in error.excerpt)
+    assert quoted in error.cause
+    assert any(quoted in line for line in error.excerpt)
     assert f"boot failed on {plan.nodes[rank].node}" in str(error)
 
 
@@ -290,7 +294,8 @@ def test_a_stream_lost_mid_boot_is_resumed_since_its_last_line_and_no_line_is_fe
     # the fatal line after the loss is seen, not the gate's timeout
     assert (caught.value.node, caught.value.kind) == (plan.head.node, "cuda_out_of_memory")
     first, resumed = node.streams
-    assert "--since" not in first.argv and "--timestamps" in first.argv
+    assert "--since" not in first.argv
+    assert "--timestamps" in first.argv
     assert resumed.argv[resumed.argv.index("--since") + 1] == T2
     fed = [line.split(" ", 1)[1] for line in [*BEFORE_THE_LOSS, *AFTER_THE_LOSS]]
     assert gate.watch.lines(plan.head.node) == fed  # docker's timestamps stripped, none twice
@@ -311,7 +316,8 @@ def test_a_node_that_stays_unreachable_fails_naming_the_lost_link(
     error = caught.value
     assert time.monotonic() - started < GATE_TIMEOUT_S / 2, "it waited out the gate's timeout"
     assert (error.node, error.kind) == (head, "link_lost")
-    assert f"lost the SSH link to {head}" in error.cause and "could not reconnect" in error.cause
+    assert f"lost the SSH link to {head}" in error.cause
+    assert "could not reconnect" in error.cause
     assert str(refused) in error.cause
 
 
@@ -324,4 +330,5 @@ def test_the_timeout_while_a_link_is_down_names_the_link_not_the_markers(tmp_pat
         wait_until_ready(plan, gate_for(plan), timeout_s=1.5, connection_for=node)
     error = caught.value
     assert (error.node, error.kind) == (head, "link_lost")
-    assert "not back within the timeout of 1.5 s" in error.cause and str(refused) in error.cause
+    assert "not back within the timeout of 1.5 s" in error.cause
+    assert str(refused) in error.cause

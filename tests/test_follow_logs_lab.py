@@ -11,22 +11,20 @@ import time
 from pathlib import Path
 
 import pytest
-from lab_flows import recipe_variant
+from lab_flows import LAB_SINGLE_RECIPE, recipe_variant, with_env
 from readiness_lab import Deployment
 
 from lab.cluster import Lab
-from lab.prefect_local import PROJECT_ROOT
 from sparkdeploy.errors import RemoteError
 from sparkdeploy.remote.ssh import Connection, SshTarget, cached_connection
 from sparkdeploy.remote.targets import node_target
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import make_plan
-from sparkdeploy.spec.recipe import load_recipe
-from sparkdeploy.steps.follow_logs import gate_for, wait_until_ready
+from sparkdeploy.spec.recipe_loading import load_recipe
+from sparkdeploy.steps.readiness_gate import gate_for, wait_until_ready
 
 pytestmark = pytest.mark.lab
 
-SINGLE = PROJECT_ROOT / "recipes" / "lab-single" / "recipe.toml"
 SLOW_BOOT_S = 30
 # The link drops once the follower streams the head's log, and is back well before the boot ends.
 LINK_DOWN_AFTER_S = 3.0
@@ -81,8 +79,8 @@ def test_the_heads_link_down_during_a_slow_boot_is_resumed_and_the_boot_is_ready
     recipe = recipe_variant(
         tmp_path,
         "lab-link-down",
-        SINGLE,
-        ("[env]\n", f'[env]\nSTANDIN_FAULT = "slow_boot:{SLOW_BOOT_S}"\n'),
+        LAB_SINGLE_RECIPE,
+        with_env(STANDIN_FAULT=f"slow_boot:{SLOW_BOOT_S}"),
     )
     plan = make_plan(
         load_recipe(Path(recipe) / "recipe.toml"), load_cluster(lab_cluster.inventory_path)
@@ -101,8 +99,10 @@ def test_the_heads_link_down_during_a_slow_boot_is_resumed_and_the_boot_is_ready
         outage.join()
     # reconnected (the first connect is the attach), after the link was back
     reconnects = connects.calls[1:]
-    assert reconnects and reconnects[-1][2], connects.calls
-    assert reconnects[0][0] > outage.down_at and reconnects[-1][1] > outage.up_at
+    assert reconnects, connects.calls
+    assert reconnects[-1][2], connects.calls
+    assert reconnects[0][0] > outage.down_at
+    assert reconnects[-1][1] > outage.up_at
     assert result.timeline[-1].marker == "endpoint_ready"
     # every line the container printed up to ready, in order, each once
     # (merged as the follower reads it: docker keeps the engine's stdout and stderr apart)

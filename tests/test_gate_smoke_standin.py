@@ -19,17 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from hfcache_layout import cache_repo
 
+from lab.testing.hfcache_layout import cache_repo
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import BootFailed
-from sparkdeploy.steps.readiness_gate import (
-    ExitStatus,
-    GateEvent,
-    GateResult,
-    ReadinessGate,
-    follow_lines,
-)
+from sparkdeploy.steps.readiness_gate import GateEvent, GateResult, ReadinessGate, follow_lines
+from sparkdeploy.steps.readiness_gate.watch import BootMarkers, ExitStatus
 from sparkdeploy.steps.smoke_test import SmokeReport, SmokeSettings, run_smoke
 from sparkdeploy.vllm.markers import DEFAULT_FAILURE_MARKERS, Marker
 
@@ -167,12 +162,14 @@ def test_good_boot_is_ready_with_its_timeline(engines: Engines) -> None:
     gate, endpoint = boot_one(engines)
     result = wait(gate, engines, endpoint, GOOD_BOOT_TIMEOUT_S)
     markers = [entry.marker for entry in result.timeline]
-    assert markers[0] == "weights_loaded" and markers[-3:] == [
+    assert markers[0] == "weights_loaded"
+    assert markers[-3:] == [
         "application_ready",
         "endpoint_healthy",
         "endpoint_ready",
     ]
-    assert result.figures["kv_cache_tokens"] > 0 and result.figures["max_concurrency"] > 0
+    assert result.figures["kv_cache_tokens"] > 0
+    assert result.figures["max_concurrency"] > 0
     assert {"weights_load_s", "model_load_gib", "kv_cache_gib", "init_engine_s"} <= set(
         result.figures
     )
@@ -194,10 +191,12 @@ def test_recipe_failure_marker_catches_a_broken_quantprobe(engines: Engines) -> 
     port = free_port()
     gate = ReadinessGate(
         head="head",
-        failure_markers=[
-            *DEFAULT_FAILURE_MARKERS,
-            Marker("quantprobe_broken", r"\[quantprobe\].*algo=None"),
-        ],
+        markers=BootMarkers(
+            failure=[
+                *DEFAULT_FAILURE_MARKERS,
+                Marker("quantprobe_broken", r"\[quantprobe\].*algo=None"),
+            ]
+        ),
     )
     engines.start(
         "head",
@@ -215,12 +214,14 @@ def test_smoke_passes_on_a_good_engine(engines: Engines) -> None:
     report = smoke(endpoint)
     assert report.passed, report.table_rows()
     streaming = report.check("streaming").figures
-    assert streaming["ttft_s"] > 0 and streaming["decode_tok_s"] > 0
+    assert streaming["ttft_s"] > 0
+    assert streaming["decode_tok_s"] > 0
     # the engine's /metrics beside our count of the same requests
     engine = {figure.name: figure for figure in report.engine}
     for name in ("prompt_tokens", "generation_tokens", "requests_finished"):
         assert engine[name].engine == engine[name].ours, engine[name]
     hit_rate = engine["prefix_cache_hit_rate"].engine
-    assert hit_rate is not None and hit_rate > 0  # the burst repeats the canaries
+    assert hit_rate is not None
+    assert hit_rate > 0
     assert engine["preemptions"].engine == 0
     assert any(row["check"] == "engine /metrics: ttft_mean_s" for row in report.table_rows())

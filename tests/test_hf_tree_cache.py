@@ -13,6 +13,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub import _tree_cache
 
+from lab.testing.hfcache_layout import cache_files
 from sparkdeploy.remote.hf_tree_cache import TreeFile, write_commit_files
 
 REPO = "lab-org/tree"
@@ -26,26 +27,11 @@ def test_the_private_names_have_the_shape_the_adapter_relies_on() -> None:
     assert {"size", "blob_id", "lfs_sha256", "lfs_size"} <= fields
 
 
-def cached_repo(cache: Path, files: dict[str, bytes]) -> Path:
-    """A repo in the HF cache layout: blobs, refs/main and a snapshot of links."""
-    storage = cache / f"models--{REPO.replace('/', '--')}"
-    (storage / "refs").mkdir(parents=True)
-    (storage / "refs" / "main").write_text(COMMIT)
-    snapshot = storage / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    (storage / "blobs").mkdir()
-    for name, data in files.items():
-        blob = storage / "blobs" / hashlib.sha1(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / name).symlink_to(Path("../..") / "blobs" / blob.name)
-    return storage
-
-
 def test_huggingface_hub_reads_the_file_list_back_and_checks_the_snapshot_against_it(
     tmp_path: Path,
 ) -> None:
     files = {"config.json": b"{}", "model.safetensors": b"weights"}
-    storage = cached_repo(tmp_path, files)
+    storage = cache_files(tmp_path, REPO, COMMIT, files)
     write_commit_files(
         storage,
         COMMIT,
@@ -55,7 +41,8 @@ def test_huggingface_hub_reads_the_file_list_back_and_checks_the_snapshot_agains
         },
     )
     read = _tree_cache.read_tree_cache(str(storage), COMMIT)
-    assert read is not None and set(read) == set(files)
+    assert read is not None
+    assert set(read) == set(files)
     snapshot = huggingface_hub.snapshot_download(REPO, cache_dir=tmp_path, local_files_only=True)
     assert Path(snapshot) == storage / "snapshots" / COMMIT
 

@@ -7,31 +7,33 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from uuid import UUID
 
 import httpx
 import pytest
-from prefect import flow, get_client
+from prefect import State, flow, get_client
 from prefect.client.base import PrefectHttpxSyncClient
 from prefect.client.schemas.actions import VariableCreate
-from prefect.states import Completed, Running, State
+from prefect.states import Completed, Running
 
 from lab.cluster import Lab
+from lab.testing.waiting import wait_for
 from sparkdeploy.errors import NodeLockError, RemoteError
-from sparkdeploy.remote.docker_cli import DEPLOYMENT_LABEL, deployments_present
+from sparkdeploy.remote.docker_cli import deployments_present
 from sparkdeploy.remote.node_identity import machine_ids, parse_machine_id
 from sparkdeploy.remote.prefect_api import SingleAttemptHttpxClient, single_attempt_client
 from sparkdeploy.remote.ssh import cached_connection
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.spec.cluster import load_cluster
+from sparkdeploy.spec.labels import DEPLOYMENT_LABEL
 from sparkdeploy.spec.plan import make_plan
 from sparkdeploy.spec.project import find_recipe
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.steps import hold_nodes as locks
 from sparkdeploy.steps.hold_nodes import (
     NodeHolder,
+    acquire,
     acquire_nodes,
     api,
     holder_decision,
@@ -39,6 +41,7 @@ from sparkdeploy.steps.hold_nodes import (
     holders,
     limit_name,
     records,
+    release,
     release_nodes,
     slots,
 )
@@ -84,7 +87,8 @@ def test_acquire_is_idempotent_and_release_only_frees_own_nodes(prefect_harness:
     assert acquire_nodes("lab", machines("lab", "node4"), "dep-c", timeout_s=5) == []
     assert release_nodes("lab", ["node4"], "dep-other") == []
     holder = holders("lab", ["node4"])["node4"]
-    assert holder is not None and holder.deployment_id == "dep-c"
+    assert holder is not None
+    assert holder.deployment_id == "dep-c"
     assert release_nodes("lab", ["node4"], "dep-c") == ["node4"]
     assert release_nodes("lab", ["node4"], "dep-c") == []
     assert acquire_nodes("lab", machines("lab", "node4"), "dep-d", timeout_s=5) == ["node4"]
@@ -104,20 +108,14 @@ def test_waiting_deployment_gets_the_node_once_released(prefect_harness: Path) -
     waiter.join(timeout=40)
     assert taken == [["node5"]]
     holder = holders("lab", ["node5"])["node5"]
-    assert holder is not None and holder.deployment_id == "dep-f"
+    assert holder is not None
+    assert holder.deployment_id == "dep-f"
     release_nodes("lab", ["node5"], "dep-f")
 
 
 def wait_tickets() -> list[wait_queue.WaitTicket]:
     with single_attempt_client() as client:
         return wait_queue._wait_tickets(client)
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
 
 
 def test_waiting_deploys_get_a_node_in_arrival_order(prefect_harness: Path) -> None:
@@ -131,12 +129,12 @@ def test_waiting_deploys_get_a_node_in_arrival_order(prefect_harness: Path) -> N
 
     second = threading.Thread(target=waiter, args=("dep-second",))
     second.start()
-    wait_for(lambda: len(wait_tickets()) == 1)
+    wait_for("wait ticket", lambda: len(wait_tickets()) == 1, timeout_s=30, poll_s=0.1)
     third = threading.Thread(target=waiter, args=("dep-third",))
     third.start()
-    wait_for(lambda: len(wait_tickets()) == 2)
+    wait_for("second wait ticket", lambda: len(wait_tickets()) == 2, timeout_s=30, poll_s=0.1)
     release_nodes("fifo", ["n1"], "dep-first")
-    wait_for(lambda: taken == ["dep-second"])
+    wait_for("hold of dep-second", lambda: taken == ["dep-second"], timeout_s=30, poll_s=0.1)
     # The third waits for the second, who came first, and then for its hold.
     time.sleep(0.5)
     assert taken == ["dep-second"]
@@ -159,7 +157,7 @@ def test_a_newcomer_does_not_overtake_a_waiter_and_says_whom_it_waits_for(
         target=acquire_nodes, args=("fifo2", both, "dep-wants-both"), kwargs={"poll_s": 0.1}
     )
     waiter.start()
-    wait_for(lambda: len(wait_tickets()) == 1)
+    wait_for("wait ticket", lambda: len(wait_tickets()) == 1, timeout_s=30, poll_s=0.1)
     # n2 is free, but the deploy waiting for n1 and n2 asked first.
     with pytest.raises(NodeLockError) as refused:
         acquire_nodes("fifo2", {"n2": both["n2"]}, "dep-wants-n2", timeout_s=1, poll_s=0.1)
@@ -213,7 +211,8 @@ def test_concurrent_acquirers_never_share_a_node(prefect_harness: Path) -> None:
     winners = [dep for dep, outcome in outcomes.items() if isinstance(outcome, list)]
     assert len(winners) == 1
     for node, holder in holders("race", ["a", "b"]).items():
-        assert holder is not None and holder.deployment_id == winners[0], node
+        assert holder is not None, node
+        assert holder.deployment_id == winners[0], node
     release_nodes("race", ["a", "b"], winners[0])
 
 
@@ -240,21 +239,22 @@ def test_a_live_run_of_the_same_deployment_is_waited_for_an_ended_one_taken_over
     prefect_harness: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first, second, third = _flow_run(Running()), _flow_run(Running()), _flow_run(Running())
-    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: first)
+    monkeypatch.setattr(acquire, "_current_flow_run_id", lambda: first)
     assert acquire_nodes("same", machines("same", "n1"), "dep-same", timeout_s=5) == ["n1"]
 
     # A concurrent deploy of the same recipe on the same nodes: the same deployment id.
-    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: second)
+    monkeypatch.setattr(acquire, "_current_flow_run_id", lambda: second)
     with pytest.raises(NodeLockError, match=f"n1 is held by deployment dep-same .*{first}"):
         acquire_nodes("same", machines("same", "n1"), "dep-same", timeout_s=1, poll_s=0.2)
 
     # Once the first run has ended (the deployment stays up), a redeploy takes the nodes over.
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(UUID(first), Completed(), force=True)
-    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: third)
+    monkeypatch.setattr(acquire, "_current_flow_run_id", lambda: third)
     assert acquire_nodes("same", machines("same", "n1"), "dep-same", timeout_s=5) == []
     holder = holders("same", ["n1"])["n1"]
-    assert holder is not None and holder.flow_run_id == third
+    assert holder is not None
+    assert holder.flow_run_id == third
     assert release_nodes("same", ["n1"], "dep-same") == ["n1"]
 
 
@@ -266,12 +266,13 @@ def test_a_redeploy_that_ends_while_the_old_copy_serves_hands_the_hold_back_to_i
     A node where nothing of the deployment is left is not handed back."""
     first, second = _flow_run(Running()), _flow_run(Running())
     nodes = machines("redo", "n1", "n2")
-    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: first)
+    monkeypatch.setattr(acquire, "_current_flow_run_id", lambda: first)
     assert acquire_nodes("redo", nodes, "dep-redo", timeout_s=5) == ["n1", "n2"]
     before = holders("redo", ["n1", "n2"])
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(UUID(first), Completed(), force=True)
-    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: second)
+    monkeypatch.setattr(acquire, "_current_flow_run_id", lambda: second)
+    monkeypatch.setattr(release, "_current_flow_run_id", lambda: second)
     assert acquire_nodes("redo", nodes, "dep-redo", timeout_s=5) == []
     taken = holders("redo", ["n1", "n2"])
     assert all(h is not None and h.took_over_from == first for h in taken.values()), taken
@@ -281,11 +282,13 @@ def test_a_redeploy_that_ends_while_the_old_copy_serves_hands_the_hold_back_to_i
     assert locks.hand_back_to_serving("redo", ["n1"], "dep-redo", log=said.append) == ["n1"]
     after = holders("redo", ["n1", "n2"])
     took, was = taken["n1"], before["n1"]
-    assert took is not None and was is not None
+    assert took is not None
+    assert was is not None
     assert after["n1"] == dataclasses.replace(took, flow_run_id=first, took_over_from=None)
     assert after["n1"].since == was.since
     assert after["n2"] == taken["n2"]
-    assert "dep-redo still serves there" in said[0] and first in said[0], said
+    assert "dep-redo still serves there" in said[0], said
+    assert first in said[0], said
     # Idempotent: the record no longer says this run took it over.
     assert locks.hand_back_to_serving("redo", ["n1"], "dep-redo") == []
     with get_client(sync_client=True) as client:
@@ -329,9 +332,10 @@ def test_busy_answers_are_retried_at_once_and_other_errors_are_not(
         return f"{answer} {name}"
 
     waits: list[float] = []
-    monkeypatch.setattr(api.time, "sleep", waits.append)
+    monkeypatch.setattr(time, "sleep", waits.append)
     assert api._api(call, "node1") == "taken node1"
-    assert len(waits) == 3 and sum(waits) < 1.0  # not the Prefect client's ~2 s per retry
+    assert len(waits) == 3
+    assert sum(waits) < 1.0
 
     answers[:] = [423]
     with pytest.raises(httpx.HTTPStatusError):
@@ -355,7 +359,8 @@ def test_a_busy_answer_costs_the_lock_client_no_2_s_wait(monkeypatch: pytest.Mon
     )
     assert api._api(http.post, "/variables/filter").json() == []
     assert sent == ["/api/variables/filter"] * 2
-    assert len(waits) == 1 and waits[0] < 0.1
+    assert len(waits) == 1
+    assert waits[0] < 0.1
 
 
 def test_only_a_provably_gone_holder_is_taken_over() -> None:
@@ -391,11 +396,11 @@ def _hold_with_ended_run(
     monkeypatch: pytest.MonkeyPatch, lab: Lab, cluster: str, node: str, dep: str
 ) -> str:
     run = _flow_run(Running())
-    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: run)
+    monkeypatch.setattr(acquire, "_current_flow_run_id", lambda: run)
     assert acquire_nodes(cluster, _lab_machines(lab, node), dep, timeout_s=5) == [node]
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(UUID(run), Completed(), force=True)
-    monkeypatch.setattr(locks, "_current_flow_run_id", lambda: _flow_run(Running()))
+    monkeypatch.setattr(acquire, "_current_flow_run_id", lambda: _flow_run(Running()))
     return run
 
 
@@ -420,9 +425,11 @@ def test_a_finished_holder_without_containers_is_taken_over_at_once(
     assert taken == [node]
     assert time.monotonic() - started < 10  # not the wait
     assert len(warnings) == 1
-    assert "lab-gone-0badc0de" in warnings[0] and old_run in warnings[0], warnings
+    assert "lab-gone-0badc0de" in warnings[0], warnings
+    assert old_run in warnings[0], warnings
     holder = holders("lab-takeover", [node])[node]
-    assert holder is not None and holder.deployment_id == "lab-new-12345678"
+    assert holder is not None
+    assert holder.deployment_id == "lab-new-12345678"
     with get_client(sync_client=True) as client:
         limit = client.read_global_concurrency_limit_by_name(
             limit_name(_lab_machines(lab_cluster, node)[node])
@@ -459,7 +466,8 @@ def test_a_finished_holder_whose_containers_remain_is_waited_for(
     finally:
         runner.run(["docker", "rm", "--force", name], timeout=60)
     holder = holders("lab-takeover", [node])[node]
-    assert holder is not None and holder.deployment_id == "lab-left-0badc0de"
+    assert holder is not None
+    assert holder.deployment_id == "lab-left-0badc0de"
     # Once the leftover is gone, the same deploy takes the node over.
     assert acquire_nodes(
         "lab-takeover",
@@ -549,14 +557,16 @@ def test_two_inventories_naming_one_machine_share_its_lock(
         second_deploy.join(timeout=70)
     assert taken == [["spark-c"]]
     holder = holders(second.cluster, ["spark-c"])["spark-c"]
-    assert holder is not None and holder.deployment_id == second.deployment_id
+    assert holder is not None
+    assert holder.deployment_id == second.deployment_id
     assert holders(first.cluster, ["node3"]) == {"node3": None}
     machine = first_machines["node3"]
     with get_client(sync_client=True) as client:
         limit = client.read_global_concurrency_limit_by_name(f"node:{machine[:12]}")
         assert limit.active_slots == 1
         record = client.read_variable_by_name(f"node-lock-{machine[:12]}")
-    assert record is not None and record.value == {
+    assert record is not None
+    assert record.value == {
         "deployment_id": second.deployment_id,
         "since": holder.since,
         "flow_run_id": None,
@@ -580,7 +590,8 @@ def test_holders_and_release_go_by_the_records_and_skip_old_ones(prefect_harness
     assert holders("rec", ["n1"]) == {"n1": None}
     assert acquire_nodes("rec", machines("rec", "n1"), "dep-r", timeout_s=5) == ["n1"]
     holder = holders("rec", ["n1"])["n1"]
-    assert holder is not None and holder.machine_id == machines("rec", "n1")["n1"]
+    assert holder is not None
+    assert holder.machine_id == machines("rec", "n1")["n1"]
     assert release_nodes("rec", ["n1"], "dep-old") == []
     assert release_nodes("rec", ["n1"], "dep-r") == ["n1"]
     assert holders("rec", ["n1"]) == {"n1": None}
@@ -616,8 +627,8 @@ def test_a_failure_between_taking_the_slots_and_recording_them_gives_them_back(
             raise httpx.ReadTimeout("the API is slow")
         slots._give_back_slots(client, held, since)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(locks, "_write_holder", failing_on_the_second)
-    monkeypatch.setattr(locks, "_give_back_slots", giving_back_on_the_second_try)
+    monkeypatch.setattr(acquire, "_write_holder", failing_on_the_second)
+    monkeypatch.setattr(acquire, "_give_back_slots", giving_back_on_the_second_try)
     with pytest.raises(type(failure)):
         acquire_nodes(cluster, nodes, "dep-window", timeout_s=5)
     monkeypatch.undo()

@@ -32,9 +32,11 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoFile
-from huggingface_hub.utils import disable_progress_bars
+from huggingface_hub.utils.tqdm import disable_progress_bars
 
-from lab.hub import HUB, STORAGE, HubControl, HubServer, fingerprint
+from lab.hub.control import HubControl
+from lab.hub.request_log import HUB, STORAGE, fingerprint
+from lab.hub.server import HubServer
 from lab.tinymodel import EngramSpec, GeneratedRepo, generate_repo
 
 TOKEN = "hf_lab_gate_token"
@@ -116,7 +118,8 @@ def test_tree_is_paginated_and_complete(hub: HubServer, tiny: GeneratedRepo) -> 
     assert [("cursor=" in r.path) for r in tree_calls] == [False, True, True]
     by_path = {entry.path: entry for entry in entries if isinstance(entry, RepoFile)}
     shard = by_path["model-00001-of-00005.safetensors"]
-    assert shard.lfs is not None and shard.lfs.size == shard.size
+    assert shard.lfs is not None
+    assert shard.lfs.size == shard.size
     assert by_path["config.json"].lfs is None
 
 
@@ -260,7 +263,8 @@ def test_range_requests(hub: HubServer, tiny: GeneratedRepo) -> None:
     status, headers, _ = request(
         f"{hub.url}/lab/tiny/resolve/main/{shard}", method="HEAD", follow=False
     )
-    assert status == 302 and headers["Location"].startswith(f"{hub.storage_url}/lfs/lab/tiny/")
+    assert status == 302
+    assert headers["Location"].startswith(f"{hub.storage_url}/lfs/lab/tiny/")
     status, headers, body = request(headers["Location"], headers={"Range": "bytes=100-199"})
     assert (status, body) == (206, data[100:200])
     assert headers["Content-Range"] == f"bytes 100-199/{len(data)}"
@@ -300,7 +304,8 @@ def test_the_token_reaches_the_hub_and_never_the_storage_host(
     by_origin = hub.authorization_by_origin()
     assert by_origin == {HUB: [fingerprint(f"Bearer {TOKEN}")], STORAGE: []}
     storage_gets = [r for r in hub.requests() if r.origin == STORAGE and r.method == "GET"]
-    assert storage_gets and all(r.status == 200 for r in storage_gets)
+    assert storage_gets
+    assert all(r.status == 200 for r in storage_gets)
     assert TOKEN not in json.dumps(hub.stats())
 
 
@@ -326,7 +331,8 @@ def test_429_carries_retry_after_and_the_client_retries(hub: HubServer, tmp_path
 def test_faults_over_http(hub: HubServer) -> None:
     faults = f"{hub.url}/_lab/faults"
     status, _, body = request(faults, method="POST", body={"fail_next": 2, "status": 500})
-    assert status == 200 and json.loads(body)["fail_remaining"] == 2
+    assert status == 200
+    assert json.loads(body)["fail_remaining"] == 2
     info = f"{hub.url}/api/models/lab/tiny"
     assert [request(info)[0] for _ in range(3)] == [500, 500, 200]
     status, _, body = request(faults, method="POST", body={"cut_next_file": 7, "slow": 5})
@@ -346,7 +352,8 @@ def test_faults_over_http(hub: HubServer) -> None:
     status, headers, _ = request(info)
     assert (status, headers["Retry-After"]) == (429, "3")
     status, _, body = request(faults, method="POST", body={"fail_nxt": 1})
-    assert status == 400 and b"unknown fault keys ['fail_nxt']" in body
+    assert status == 400
+    assert b"unknown fault keys ['fail_nxt']" in body
     status, _, body = request(faults, method="POST", body={"fail_next": "2"})
     assert status == 400
 
@@ -384,7 +391,8 @@ def test_command_line_server(repos_dir: Path) -> None:
         assert started["pid"] == process.pid
         assert started["storage_url"] != started["url"]
         status, _, body = request(f"{started['url']}/api/models/lab/tiny/revision/main")
-        assert status == 200 and json.loads(body)["id"] == "lab/tiny"
+        assert status == 200
+        assert json.loads(body)["id"] == "lab/tiny"
         control = HubControl(started["url"])
         assert control.set_faults(fail_next=1, status=429).fail_status == 429
         assert request(f"{started['url']}/api/models/lab/tiny")[0] == 429

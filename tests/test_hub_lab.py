@@ -13,7 +13,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from lab.cluster import Lab
-from lab.hub import HUB, STORAGE, HubControl, fingerprint
+from lab.hub.control import HubControl
+from lab.hub.request_log import HUB, STORAGE, fingerprint
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
 from sparkdeploy.steps import prefetch as pf
@@ -103,7 +104,8 @@ def test_lfs_files_come_from_the_storage_host_without_the_token(
     hub: HubControl, lab_cluster: Lab
 ) -> None:
     outcome, _ = prefetch(lab_cluster, GATED, TOKEN)
-    assert outcome.fetched_bytes == outcome.total_bytes and matches_the_hub(lab_cluster, outcome)
+    assert outcome.fetched_bytes == outcome.total_bytes
+    assert matches_the_hub(lab_cluster, outcome)
     lfs = {f.path for f in outcome.files if f.verified == "sha256"}
     requests = hub.requests()
     redirects = [r for r in requests if r.origin == HUB and r.status == 302]
@@ -140,7 +142,8 @@ def test_a_gated_repo_names_the_licence_page_and_leaves_nothing_complete(
         prefetch(lab_cluster, GATED)
     message = str(anonymous.value)
     assert f"accept the licence at {lab_cluster.hub_url}/{GATED}" in message
-    assert "no token was sent" in message and "set HF_TOKEN" in message
+    assert "no token was sent" in message
+    assert "set HF_TOKEN" in message
     assert not isinstance(anonymous.value, TransientPrefetchError)
     with pytest.raises(PrefetchError, match="the token from HF_TOKEN has no access") as wrong:
         prefetch(lab_cluster, GATED, "hf_not_on_the_list")

@@ -11,17 +11,16 @@ import pytest
 from lab.cluster import Lab
 from sparkdeploy.errors import ImageError, RemoteError, TransientRemoteError
 from sparkdeploy.remote.docker_cli import registry_error
-from sparkdeploy.remote.ssh import CommandResult, cached_connection
-from sparkdeploy.steps.image import (
+from sparkdeploy.remote.runner import CommandResult
+from sparkdeploy.remote.ssh import cached_connection
+from sparkdeploy.steps.image import check_built_elsewhere, ensure_image, same_image_id
+from sparkdeploy.steps.image.distribute import registry_reference
+from sparkdeploy.steps.image.source import (
     CONTEXT_LABEL,
     BuiltElsewhere,
     build_context,
     built_elsewhere_refusal,
-    check_built_elsewhere,
-    ensure_image,
     image_source,
-    registry_reference,
-    same_image_id,
 )
 
 
@@ -57,7 +56,9 @@ def _failed(stderr: str) -> CommandResult:
 def test_registry_errors_are_classified(stderr: str, kind: type, hint: str) -> None:
     error = registry_error("node2", "r/x:1", "pulling", _failed(stderr))
     assert type(error) is kind
-    assert "node node2" in str(error) and "r/x:1" in str(error) and hint in str(error)
+    assert "node node2" in str(error)
+    assert "r/x:1" in str(error)
+    assert hint in str(error)
 
 
 def test_registry_reference_replaces_the_image_registry() -> None:
@@ -118,7 +119,8 @@ def test_an_image_built_elsewhere_missing_or_odd_on_a_node_is_refused() -> None:
     assert "at images/glm-r27/, or remove docker_image_dir" in refusal
     assert "or put glm:local on every node by hand" in refusal
     nowhere = built_elsewhere_refusal("glm:local", {"node1": None}, ELSEWHERE)
-    assert nowhere is not None and "missing on node1;" not in nowhere
+    assert nowhere is not None
+    assert "missing on node1;" not in nowhere
     assert "missing on node1. Fix:" in nowhere
 
 
@@ -153,7 +155,8 @@ def test_same_image_id_names_the_odd_and_the_missing_nodes() -> None:
         same_image_id("x:1", ids, "node1")
     message = str(caught.value)
     assert "node1 has sha256:a" in message
-    assert "node2 has sha256:b" in message and "missing on node3" in message
+    assert "node2 has sha256:b" in message
+    assert "missing on node3" in message
     assert "node4" not in message
     assert same_image_id("x:1", {"node1": "sha256:a", "node2": "sha256:a"}, "node2") == "sha256:a"
 

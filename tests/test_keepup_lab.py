@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,6 +37,7 @@ from lab.prefect_local import (
     start_worker,
     stop_worker,
 )
+from lab.testing.waiting import wait_for
 from lab.vllm_runtime import RealEngine
 from sparkdeploy.remote.ssh import cached_connection, close_cached
 from sparkdeploy.remote.targets import node_target
@@ -51,7 +51,6 @@ pytestmark = [pytest.mark.lab]
 # is cancelled (register_flow).
 ENSURE_INTERVAL_S = 20
 WATCHDOG_INTERVAL_S = 20
-CHAIN_TIMEOUT_S = 900.0
 
 
 class Webhook:
@@ -151,12 +150,10 @@ def booted(run: Any) -> bool:
     return any(line.startswith("boot ") for line in task_history(str(run.id), settled=True))
 
 
-def wait_for(what: str, condition: Callable[[], Any]) -> Any:
-    deadline = time.monotonic() + CHAIN_TIMEOUT_S
-    while not (found := condition()):
-        assert time.monotonic() < deadline, f"no {what} within {CHAIN_TIMEOUT_S:.0f} s"
-        time.sleep(3)
-    return found
+# How long a test waits for each link of its chain (a run, a repair, a notification), and how
+# often it looks.
+CHAIN_TIMEOUT_S = 900.0
+CHAIN_POLL_S = 3.0
 
 
 def stop_schedule(env: dict[str, str], deployment: str) -> None:
@@ -193,7 +190,12 @@ def stop_schedule(env: dict[str, str], deployment: str) -> None:
         for run in pending():
             if run.state is not None and run.state.type != StateType.RUNNING:
                 client.set_flow_run_state(run.id, Cancelled(), force=True)
-        wait_for(f"end of the runs of {deployment}", lambda: not pending())
+        wait_for(
+            f"end of the runs of {deployment}",
+            lambda: not pending(),
+            timeout_s=CHAIN_TIMEOUT_S,
+            poll_s=CHAIN_POLL_S,
+        )
 
 
 def history_line(run: Any, since: datetime) -> str:
@@ -234,15 +236,25 @@ def test_a_scheduled_ensure_deploy_is_a_smoke_test_while_it_serves_and_a_repair_
         def completed() -> list[Any]:
             return [run for run in runs_of(ensure) if run.state.is_completed()]
 
-        first = wait_for("deploying run", lambda: completed()[:1])[0]
+        first = wait_for(
+            "deploying run", lambda: completed()[:1], timeout_s=CHAIN_TIMEOUT_S, poll_s=CHAIN_POLL_S
+        )[0]
         assert booted(first), task_history(str(first.id))
-        noop = wait_for("run after the first", lambda: completed()[1:2])[0]
+        noop = wait_for(
+            "run after the first",
+            lambda: completed()[1:2],
+            timeout_s=CHAIN_TIMEOUT_S,
+            poll_s=CHAIN_POLL_S,
+        )[0]
         assert not booted(noop), task_history(str(noop.id))
         assert serves(cluster, "lab-single")
         kill_container(cluster, "lab-single")
         killed_at = len(completed())
         repair = wait_for(
-            "run that repairs it", lambda: [run for run in completed()[killed_at:] if booted(run)]
+            "run that repairs it",
+            lambda: [run for run in completed()[killed_at:] if booted(run)],
+            timeout_s=CHAIN_TIMEOUT_S,
+            poll_s=CHAIN_POLL_S,
         )[0]
         assert serves(cluster, "lab-single")
     finally:
@@ -285,7 +297,7 @@ def watch_until_repaired(
                 if "repair" in run.tags and run.state.is_completed() and booted(run)
             ]
 
-        repair = wait_for("repair run", repaired)[0]
+        repair = wait_for("repair run", repaired, timeout_s=CHAIN_TIMEOUT_S, poll_s=CHAIN_POLL_S)[0]
         wait_for(
             "healthy watchdog run after the repair",
             lambda: [
@@ -293,6 +305,8 @@ def watch_until_repaired(
                 for run in runs_since(watchdog, since)
                 if run.state.is_completed() and run.start_time > repair.end_time
             ],
+            timeout_s=CHAIN_TIMEOUT_S,
+            poll_s=CHAIN_POLL_S,
         )
         # That watchdog run's smoke test asked the canaries: it answers again.
         assert healthy_alone(cluster, recipe)
@@ -349,13 +363,16 @@ def test_the_watchdog_event_and_the_automation_recover_a_deployment_that_died(
     cached_connection(node_target(head)).run(["rm", "-rf", "/root/standin-faults"], timeout=60)
     try:
         watch_until_repaired(env, cluster, "lab-dies-once")
-        wait_for("notification", lambda: webhook.received)
+        wait_for(
+            "notification", lambda: webhook.received, timeout_s=CHAIN_TIMEOUT_S, poll_s=CHAIN_POLL_S
+        )
     finally:
         webhook.close()
     [notified, *_] = webhook.received
     print("notification:", json.dumps(notified, indent=2))
     assert plan.deployment_id in notified["subject"]
-    assert "Cause (" in notified["body"] and "node1" in notified["body"]
+    assert "Cause (" in notified["body"]
+    assert "node1" in notified["body"]
     nothing_runs(cluster)
 
 

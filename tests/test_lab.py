@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TEST_LAB_NAME, lab_unavailable_reason
-from hfcache_layout import cache_repo
+from conftest import TEST_LAB_NAME
+from lab_flows import lab_unavailable_reason
 
 from lab.cluster import Lab
 from lab.layout import FABRIC_NETDEV
 from lab.network import existing_netns
+from lab.testing.hfcache_layout import cache_repo
 from lab.tinymodel import generate_repo
 from sparkdeploy.remote.ssh import Connection, cached_connection, connect, on_all
 from sparkdeploy.spec.cluster import load_cluster
@@ -345,4 +346,5 @@ def test_engine_image_boots_on_three_nodes_and_answers_a_chat(
     assert head_log.count("joined the process group") == nnodes - 1
     for rank, node in enumerate(lab_cluster.nodes[1:], start=1):
         log = container_log(lab_cluster, node, standin_containers[node])
-        assert f"(Worker_TP{rank} " in log and "headless" in log
+        assert f"(Worker_TP{rank} " in log
+        assert "headless" in log

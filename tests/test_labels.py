@@ -21,7 +21,7 @@ from sparkdeploy.spec.labels import (
 )
 from sparkdeploy.spec.plan import deployment_id, make_plan
 from sparkdeploy.spec.project import find_recipe, find_recipe_by_name
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.steps.boot import stop_stale
 from sparkdeploy.steps.status import cluster_status
 from sparkdeploy.steps.teardown import remove_labelled, teardown

@@ -6,15 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hfcache_layout import cache_repo
 from typer.testing import CliRunner
 
+from lab.testing.hfcache_layout import cache_repo
 from lab.tinymodel import EngramSpec, generate_repo
 from sparkdeploy.cli import app
 from sparkdeploy.errors import RecipeError
 from sparkdeploy.spec.cluster import Cluster, load_cluster
 from sparkdeploy.spec.plan import make_plan
-from sparkdeploy.spec.recipe import Recipe, load_recipe
+from sparkdeploy.spec.recipe import Recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "clusters" / "dgx-spark-4.toml"
@@ -73,7 +74,8 @@ def test_kinds_from_the_nas_headers_with_the_rule_that_decided(tmp_path: Path) -
         f"forced-{dense_shard}",
     ]
     assert all(stage.repo is not None and stage.repo.repo == REPO for stage in node.plain)
-    assert node.composed is not None and len(node.composed.local_files) == 4
+    assert node.composed is not None
+    assert len(node.composed.local_files) == 4
 
 
 def test_without_the_nas_the_name_and_config_decide(tmp_path: Path) -> None:
@@ -83,7 +85,8 @@ def test_without_the_nas_the_name_and_config_decide(tmp_path: Path) -> None:
     )
     plan = make_plan(recipe, with_nas(load_cluster(EXAMPLE), tmp_path / "no-nas"))
     (shard, config) = plan.local_files
-    assert shard.kind == "engram" and "assumed an Engram shard" in shard.why
+    assert shard.kind == "engram"
+    assert "assumed an Engram shard" in shard.why
     assert 'set kind = "plain"' in shard.why
     assert (config.kind, config.why) == ("plain", "not a safetensors file")
     # A config.json without engram_* keys: the model has no Engram tables at all.
@@ -108,7 +111,8 @@ def test_a_file_from_the_ops_host_is_plain_with_its_sha256_in_the_spec(tmp_path:
     plan = make_plan(recipe, cluster)
     assert plan.local_files[0].why == "from the ops host (patches/generation_config.json)"
     [stage] = plan.nodes[0].plain
-    assert stage.repo is None and stage.ops_file == str(patch.resolve())
+    assert stage.repo is None
+    assert stage.ops_file == str(patch.resolve())
     assert stage.size == len('{"temperature": 0.6}\n')
     label = plan.nodes[0].container.labels["sparkdeploy.spec"]
     patch.write_text('{"temperature": 0.7}\n')

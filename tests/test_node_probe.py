@@ -1,4 +1,5 @@
-"""sparkdeploy.node.probe: which docker it asks and how, and that both ways answer alike."""
+"""sparkdeploy.node.probe and docker_facts: which docker it asks and how, and that both ways
+answer alike."""
 
 from __future__ import annotations
 
@@ -12,18 +13,12 @@ import pytest
 
 from lab.cluster import Lab
 from sparkdeploy.node import probe as node_probe
-from sparkdeploy.node.probe import (
-    DEFAULT_DOCKER_SOCKET,
-    EngineApi,
-    check_memory,
-    docker_socket,
-    gpu_processes,
-    parse_compute_apps,
-    quote,
-)
-from sparkdeploy.remote.docker_cli import DEPLOYMENT_LABEL, probe_script
+from sparkdeploy.node.docker_facts import DEFAULT_DOCKER_SOCKET, EngineApi, docker_socket, quote
+from sparkdeploy.node.probe import check_memory, gpu_processes, parse_compute_apps
+from sparkdeploy.remote.node_probe import probe_script
 from sparkdeploy.remote.node_script import last_json_line, python_argv
 from sparkdeploy.remote.ssh import cached_connection
+from sparkdeploy.spec.labels import DEPLOYMENT_LABEL
 
 
 def test_the_socket_is_the_one_the_docker_cli_would_use(tmp_path: Path) -> None:
@@ -72,9 +67,11 @@ def test_quote_keeps_what_a_reference_may_hold() -> None:
 def test_an_absent_daemon_is_named_with_its_socket(tmp_path: Path) -> None:
     socket_path = str(tmp_path / "docker.sock")
     answer = EngineApi(socket_path).facts("engine:1", DEPLOYMENT_LABEL)
-    assert answer["image"] is None and answer["stale_containers"] == []
+    assert answer["image"] is None
+    assert answer["stale_containers"] == []
     error = answer["docker"]["error"]
-    assert f"unix://{socket_path}" in error and "Is the docker daemon running?" in error
+    assert f"unix://{socket_path}" in error
+    assert "Is the docker daemon running?" in error
 
 
 @pytest.fixture
@@ -179,9 +176,11 @@ def test_engine_api_and_cli_answer_alike_on_a_node(lab_cluster: Lab, lab_engine_
             "reason": "nvidia-smi is not installed on this node",
         }
         memory = through_api["memory"]
-        assert isinstance(memory, dict) and 0 < memory["free"] <= memory["total"]
+        assert isinstance(memory, dict)
+        assert 0 < memory["free"] <= memory["total"]
         api_docker, cli_docker = through_api["docker"], through_cli["docker"]
-        assert isinstance(api_docker, dict) and isinstance(cli_docker, dict)
+        assert isinstance(api_docker, dict)
+        assert isinstance(cli_docker, dict)
         assert api_docker["version"] == cli_docker["version"]
         assert api_docker["root"] == cli_docker["root"]
 
@@ -236,7 +235,8 @@ def test_gpu_processes_are_asked_of_nvidia_smi_where_it_is(
     stand_in.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     answer = gpu_processes()
-    assert answer["checked"] and [p["pid"] for p in answer["processes"]] == [3858903, 44966, 5121]
+    assert answer["checked"]
+    assert [p["pid"] for p in answer["processes"]] == [3858903, 44966, 5121]
 
 
 def _meminfo(path: Path, free_kb: int, cached_kb: int) -> None:
@@ -279,7 +279,8 @@ def test_the_page_cache_is_dropped_only_when_it_stands_in_the_way(
         "drop_page_cache": allowed,
     }
     answer = check_memory(request, str(meminfo))
-    assert answer["page_cache_dropped"] is dropped and len(drops) == int(dropped)
+    assert answer["page_cache_dropped"] is dropped
+    assert len(drops) == int(dropped)
     if dropped:
         assert answer["memory_before_drop"]["free"] == free_gib << 30
         assert answer["memory_before_drop"]["page_cache"] == (20 << 30) + (10000 - 20000) * 1024

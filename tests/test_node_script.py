@@ -3,12 +3,15 @@ from __future__ import annotations
 import importlib.util
 import marshal
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
-from local_node import NODE_ENV
+import pytest
 
-from sparkdeploy.remote.node_script import build_node_script, python_argv
+from lab.testing.local_node import NODE_ENV
+from sparkdeploy.node import engram_copy
+from sparkdeploy.remote.node_script import build_node_script, python_argv, shipped_modules
 
 GREETER = """\
 import sys
@@ -20,12 +23,13 @@ def main(argv):
 """
 
 
-def shipped_module(directory: Path, source: str) -> ModuleType:
+def shipped_module(directory: Path, source: str, name: str = "shiptest.greeter") -> ModuleType:
     """A module of `source` loaded from a file, as build_node_script reads this package's."""
-    path = directory / "greeter.py"
+    path = directory / f"{name.rpartition('.')[2]}.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("shiptest.greeter", path)
-    assert spec is not None and spec.loader is not None
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -86,3 +90,43 @@ def test_a_damaged_or_unwritable_cache_only_costs_the_compile(tmp_path: Path) ->
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("")
     assert run_on_node(script, not_a_directory, "c").stdout == "hello c\n"
+
+
+def test_a_script_ships_every_module_of_ours_its_main_imports_first() -> None:
+    shipped = [module.__name__ for module in shipped_modules(engram_copy)]
+    assert set(shipped) == {
+        "sparkdeploy.errors",
+        "sparkdeploy.node.engram",
+        "sparkdeploy.node.hfcache",
+        "sparkdeploy.node.staged_file",
+        "sparkdeploy.node.engram_plan",
+        "sparkdeploy.node.sparse_copy",
+        "sparkdeploy.node.engram_adopt",
+        "sparkdeploy.node.engram_copy",
+    }
+    # Installed in this order on the node, so each after the modules it imports.
+    order = ["errors", "node.engram", "node.engram_plan", "node.sparse_copy", "node.engram_adopt"]
+    positions = [shipped.index(f"sparkdeploy.{name}") for name in order]
+    assert positions == sorted(positions)
+    assert shipped[-1] == "sparkdeploy.node.engram_copy"
+
+
+HELPER = 'GREETING = "hello from a helper,"\n'
+GREETER_WITH_HELPER = """\
+def main(argv):
+    from sparkdeploy.node.shiptest_helper import GREETING
+
+    print(GREETING, argv[0])
+    return 0
+"""
+
+
+def test_a_module_imported_inside_a_function_is_shipped_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    helper = shipped_module(tmp_path, HELPER, "sparkdeploy.node.shiptest_helper")
+    monkeypatch.setitem(sys.modules, helper.__name__, helper)
+    main = shipped_module(tmp_path, GREETER_WITH_HELPER, "sparkdeploy.node.shiptest_greeter")
+    assert shipped_modules(main) == [helper, main]
+    answer = run_on_node(build_node_script(main), tmp_path / "cache", "node1")
+    assert answer.stdout == "hello from a helper, node1\n"

@@ -6,8 +6,10 @@ import pytest
 
 from sparkdeploy.errors import PlanError
 from sparkdeploy.spec.cluster import Cluster, load_cluster
-from sparkdeploy.spec.plan import MASTER_PORT, Plan, make_plan, spec_digest
-from sparkdeploy.spec.recipe import Recipe, load_recipe
+from sparkdeploy.spec.container import MASTER_PORT
+from sparkdeploy.spec.plan import Plan, make_plan, spec_digest
+from sparkdeploy.spec.recipe import Recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.vllm.markers import DEFAULT_BOOT_MARKERS, DEFAULT_FAILURE_MARKERS
 
 ROOT = Path(__file__).parent.parent
@@ -42,7 +44,8 @@ def test_dsv41_json_flags_are_valid_json_without_stray_quotes(dsv41_plan: Plan) 
         argv = node.container.docker_run_argv()
         for flag in JSON_FLAGS:
             value = flag_value(argv, flag)
-            assert value[0] in "{[" and value[-1] in "}]", (node.node, flag, value)
+            assert value[0] in "{[", (node.node, flag, value)
+            assert value[-1] in "}]", (node.node, flag, value)
             json.loads(value)
         assert json.loads(flag_value(argv, "--speculative-config"))["num_speculative_tokens"] == 7
         assert json.loads(flag_value(argv, "--limit-mm-per-prompt")) == {"image": 2}
@@ -115,7 +118,8 @@ def test_dsv41_container_mounts_labels_and_data_steps(dsv41_plan: Plan) -> None:
         ]
         assert "--device=/dev/infiniband" in argv
         assert argv[argv.index("eugr/spark-vllm-b12x:nightly-20260913") + 1] == "serve"
-        assert node.composed is not None and node.composed.root == composed_root
+        assert node.composed is not None
+        assert node.composed.root == composed_root
         assert [(s.filename, s.ranks, s.tp_size) for s in node.engram] == [
             ("model-00047-of-00048.safetensors", [node.rank], 4),
             ("model-00048-of-00048.safetensors", [node.rank], 4),
@@ -152,9 +156,11 @@ def test_glm53_plan_mounts_markers_and_smoke(example: Cluster) -> None:
     assert names[: len(DEFAULT_FAILURE_MARKERS)] == [m.name for m in DEFAULT_FAILURE_MARKERS]
     assert "quantprobe: MTP patch missed (algo=None)" in names
     head = plan.nodes[0]
-    assert head.node == "dgx3" and plan.endpoint == "http://192.168.100.13:8000"
+    assert head.node == "dgx3"
+    assert plan.endpoint == "http://192.168.100.13:8000"
     assert head.container.env["HF_HUB_CACHE"] == "/mnt/nas/hf-cache"
-    assert head.composed is None and head.engram == []
+    assert head.composed is None
+    assert head.engram == []
     assert [(m.source, m.target) for m in head.container.mounts][1] == (
         "/root/sm121-cache/glm53-jit-121f/b12x",
         "/root/.cache/b12x",
@@ -210,7 +216,8 @@ def test_single_node_mp_has_no_multinode_flags_and_pins_the_revision(
 def test_default_markers_when_the_recipe_names_none(tmp_path: Path, example: Cluster) -> None:
     plan = make_plan(small_recipe(tmp_path), example)
     assert [m.name for m in plan.boot_markers] == [m.name for m in DEFAULT_BOOT_MARKERS]
-    assert plan.api_port == 8000 and plan.served_model_name == "lab/tiny"
+    assert plan.api_port == 8000
+    assert plan.served_model_name == "lab/tiny"
 
 
 @pytest.mark.parametrize(

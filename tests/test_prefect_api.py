@@ -160,7 +160,8 @@ def test_prefects_own_client_still_waits_on_a_busy_answer_with_its_retries_off(
     ):
         client.read_variable_by_name("node-lock-0123456789ab")
     assert len(busy_api) == 1
-    assert len(waits) == 1 and waits[0] >= 1.5
+    assert len(waits) == 1
+    assert waits[0] >= 1.5
 
 
 def named(variables: list[Variable]) -> list[str]:

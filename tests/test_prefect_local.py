@@ -17,7 +17,8 @@ UVICORN_DEFAULT_KEEPALIVE_S = 5
 def second_request_after_idling(api_url: str, idle_s: float) -> int:
     """GET /health twice on one connection, idle_s apart; the second answer's status."""
     address = urlsplit(api_url)
-    assert address.hostname is not None and address.port is not None
+    assert address.hostname is not None
+    assert address.port is not None
     connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
     try:
         connection.request("GET", f"{address.path}/health")
@@ -47,7 +48,8 @@ def test_the_demo_server_starts_outwaits_idle_connections_and_stops(tmp_path: Pa
     server = PrefectServer(tmp_path / "prefect-home", port=free_port())
     with server:
         pid = server.pid
-        assert pid is not None and server.is_healthy()
+        assert pid is not None
+        assert server.is_healthy()
         assert second_request_after_idling(server.api_url, UVICORN_DEFAULT_KEEPALIVE_S + 1.5) == 200
     assert not server.is_healthy()
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prefetch_hub import TINY, RecordingObserver, fetch, snapshot_matches_hub
 
-from lab.hub import HubServer
+from lab.hub.server import HubServer
 from sparkdeploy.errors import PrefetchError
 from sparkdeploy.steps.prefetch import HubAccess, RepoSpec, prefetch
 from sparkdeploy.steps.prefetch.cache import storage_dir
@@ -38,7 +38,8 @@ def test_cold_prefetch_then_warm_rerun_fetches_nothing(
 
     hub.reset_stats()
     warm = fetch(hub, nas)
-    assert warm.fetched_bytes == 0 and hub.bytes_served == 0
+    assert warm.fetched_bytes == 0
+    assert hub.bytes_served == 0
     assert hub.request_count == 0  # main is the commit the NAS holds; the manifest answers
 
 

@@ -15,7 +15,7 @@ import pytest
 from prefetch_hub import SHA, TINY, fetch, verify_and_record
 
 from lab.engine.standin_model import load_model
-from lab.hub import HubServer
+from lab.hub.server import HubServer
 from sparkdeploy.errors import PrefetchError
 from sparkdeploy.steps.prefetch import RepoSpec
 from sparkdeploy.steps.prefetch.cache import (
@@ -83,7 +83,8 @@ def test_free_space_error_names_the_numbers(
     assert str(tmp_path) in message
     assert "5.0 GiB (5368709120 bytes) free" in message
     assert "7.0 GiB (7516192768 bytes) more" in message
-    assert "org/big 7.0 GiB" in message and "org/small" not in message
+    assert "org/big 7.0 GiB" in message
+    assert "org/small" not in message
     check_free_space(tmp_path, {"org/fits": 5 * 1024**3})
 
 
@@ -117,7 +118,8 @@ def test_the_cache_resolves_offline_exactly_as_huggingface_hub_writes_it(
     # some; ours lists the files the snapshot holds, so its offline check finds it complete.
     ours, theirs = layout(nas), layout(written_by_hf)
     tree = f"trees/{outcome.sha}.json"
-    assert tree in ours and tree in theirs
+    assert tree in ours
+    assert tree in theirs
     assert {k: v for k, v in ours.items() if k != tree} == {
         k: v for k, v in theirs.items() if k != tree
     }
@@ -127,7 +129,8 @@ def test_the_cache_resolves_offline_exactly_as_huggingface_hub_writes_it(
         path = huggingface_hub.hf_hub_download(TINY, f.path, cache_dir=nas, local_files_only=True)
         assert Path(path).read_bytes() == (repos_dir / TINY / f.path).read_bytes()
     loaded = load_model(TINY, None, {"HF_HUB_CACHE": str(nas), "HF_HUB_OFFLINE": "1"})
-    assert loaded.snapshot == Path(outcome.snapshot_dir) and loaded.shards
+    assert loaded.snapshot == Path(outcome.snapshot_dir)
+    assert loaded.shards
     scanned = huggingface_hub.scan_cache_dir(nas)
     assert scanned.warnings == []
     assert [repo.repo_id for repo in scanned.repos] == [TINY]

@@ -11,19 +11,15 @@ from pathlib import Path
 import pytest
 from prefetch_hub import RecordingObserver, fetch, resolve_gets, snapshot_matches_hub
 
-from lab.hub import HUB, STORAGE, HubServer, fingerprint
+from lab.hub.request_log import HUB, STORAGE, fingerprint
+from lab.hub.server import HubServer
+from lab.testing.page_cache import resident_bytes
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import TransientPrefetchError
 from sparkdeploy.steps.prefetch import HubAccess, RepoSpec, prefetch
 from sparkdeploy.steps.prefetch.cache import remove_file, storage_dir
 
 pytest_plugins = ["prefetch_fixtures"]
-
-
-def resident_bytes(path: Path) -> int:
-    """Bytes of `path` in the page cache (util-linux fincore)."""
-    argv = ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)]
-    return int(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout)
 
 
 def test_503_burst_during_the_download_is_retried_inside(hub: HubServer, nas: Path) -> None:
@@ -105,7 +101,8 @@ def test_a_killed_prefetch_process_is_resumed_from_its_partial(repos_dir: Path, 
         try:
             deadline = time.monotonic() + 30
             while sum(p.stat().st_size for p in blobs.glob("*.incomplete")) < 1 << 20:
-                assert child.poll() is None and time.monotonic() < deadline
+                assert child.poll() is None
+                assert time.monotonic() < deadline
                 time.sleep(0.05)
         finally:
             child.kill()
@@ -135,7 +132,8 @@ def test_redirects_are_followed_and_the_token_never_leaves_the_hub_host(
     redirected = [r for r in requests if r.origin == HUB and r.status == 302]
     stored = [r for r in requests if r.origin == STORAGE]
     assert len(redirected) == len(stored) == len(lfs) > 0
-    assert all(r.authorized for r in redirected) and not any(r.authorized for r in stored)
+    assert all(r.authorized for r in redirected)
+    assert not any(r.authorized for r in stored)
     assert by_origin == {HUB: [fingerprint("Bearer hf_good")], STORAGE: []}
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import httpx2
 import pytest
+from huggingface_hub import hf_raise_for_status
 from huggingface_hub.errors import HfHubHTTPError
-from huggingface_hub.utils import hf_raise_for_status
 from prefetch_hub import SHA, fetch
 
-from lab.hub import HubServer
+from lab.hub.server import HubServer
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
 from sparkdeploy.steps.prefetch import HubAccess, RepoSpec

@@ -84,7 +84,7 @@ def hostile() -> Iterator[HostileHub]:
 
 
 def _everything_under(root: Path) -> set[Path]:
-    return {path for path in root.rglob("*")}
+    return set(root.rglob("*"))
 
 
 @pytest.mark.parametrize(
@@ -111,14 +111,16 @@ def test_a_listing_entry_that_is_no_safe_path_is_refused_and_nothing_is_written(
         prefetch([RepoSpec(REPO)], nas, HubAccess(hostile.url))
     message = str(raised.value)
     assert named in message, message
-    assert f"{REPO}@main" in message and "refused" in message, message
+    assert f"{REPO}@main" in message, message
+    assert "refused" in message, message
     assert _everything_under(tmp_path) == before, "the prefetch wrote before refusing"
     assert not any("/resolve/" in path for path in hostile.paths), hostile.paths
 
 
 def test_a_clean_listing_from_the_same_hub_is_fetched(hostile: HostileHub, tmp_path: Path) -> None:
     [outcome] = prefetch([RepoSpec(REPO)], tmp_path, HubAccess(hostile.url))
-    assert outcome.sha == GOOD_SHA and outcome.fetched_bytes == len(DATA)
+    assert outcome.sha == GOOD_SHA
+    assert outcome.fetched_bytes == len(DATA)
     assert (Path(outcome.snapshot_dir) / "config.json").read_bytes() == DATA
 
 
@@ -134,7 +136,8 @@ def test_a_token_is_not_sent_to_a_plain_http_hub_unless_allowed(
     with pytest.raises(PrefetchError) as raised:
         prefetch([RepoSpec(REPO)], tmp_path, HubAccess(hostile.url, token="hf_sentinel"))
     message = str(raised.value)
-    assert "http://" in message and "[hub].allow_http_token" in message, message
+    assert "http://" in message, message
+    assert "[hub].allow_http_token" in message, message
     assert "hf_sentinel" not in message
     assert hostile.paths == [], "a request went out with the token"
     allowed = HubAccess(hostile.url, token="hf_sentinel", allow_http_token=True)

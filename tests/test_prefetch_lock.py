@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prefetch_hub import TINY, RecordingObserver, fetch
 
-from lab.hub import HubServer
+from lab.hub.server import HubServer
 from sparkdeploy.errors import PrefetchError
 from sparkdeploy.steps.prefetch import Progress, RepoOutcome
 from sparkdeploy.steps.prefetch.cache import storage_dir

@@ -10,7 +10,7 @@ from pathlib import Path
 from huggingface_hub import snapshot_download
 from prefetch_hub import TINY, fetch
 
-from lab.hub import HubServer
+from lab.hub.server import HubServer
 from sparkdeploy.steps.prefetch import HubAccess, RepoSpec
 from sparkdeploy.steps.prefetch.cache import manifest_path, storage_dir
 from sparkdeploy.steps.prefetch.preview import RepoPreview, preview_repos
@@ -107,10 +107,12 @@ def test_a_branch_that_moved_is_named_with_what_update_revisions_would_take(
 def test_an_unreachable_hub_is_unknown_where_it_matters(hub: HubServer, nas: Path) -> None:
     down = HubAccess("http://127.0.0.1:9", allow_http_token=True)
     [cold] = preview_repos([RepoSpec(TINY)], nas, down)
-    assert cold.action == "unknown" and "did not answer" in cold.detail
+    assert cold.action == "unknown"
+    assert "did not answer" in cold.detail
     fetch(hub, nas)
     [warm] = preview_repos([RepoSpec(TINY)], nas, down)
-    assert warm.action == "complete" and "whether main moved on the hub is unknown" in warm.detail
+    assert warm.action == "complete"
+    assert "whether main moved on the hub is unknown" in warm.detail
 
 
 def test_a_prefetch_holding_the_repo_is_named(hub: HubServer, nas: Path) -> None:

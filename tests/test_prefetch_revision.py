@@ -10,7 +10,7 @@ import pytest
 from huggingface_hub import snapshot_download
 from prefetch_hub import TINY, RecordingObserver, fetch, snapshot_matches_hub
 
-from lab.hub import HubServer
+from lab.hub.server import HubServer
 from sparkdeploy.errors import PrefetchError, TransientPrefetchError
 from sparkdeploy.node.hfcache import resolve_snapshot
 from sparkdeploy.steps.prefetch import HubAccess, RepoSpec, prefetch
@@ -23,7 +23,8 @@ def test_pinned_commit_that_is_complete_needs_no_hub(hub: HubServer, nas: Path) 
     nobody_listens = hub.url
     hub.stop()
     [outcome] = prefetch([RepoSpec(TINY, sha)], nas, HubAccess(nobody_listens))
-    assert outcome.fetched_bytes == 0 and outcome.sha == sha
+    assert outcome.fetched_bytes == 0
+    assert outcome.sha == sha
 
 
 def test_503_on_the_first_call_is_transient_and_a_retry_completes(
@@ -88,7 +89,8 @@ def test_an_unpinned_repo_stays_at_the_commit_the_nas_holds_until_asked_to_move(
     hub.reset_stats()
     observer = RecordingObserver()
     again = fetch(hub, nas, observer=observer)
-    assert again.sha == first.sha and again.fetched_bytes == 0
+    assert again.sha == first.sha
+    assert again.fetched_bytes == 0
     assert hub.request_count == 0
     assert any("as the NAS cache holds it" in m for m in observer.messages), observer.messages
     assert resolve_snapshot(str(nas), TINY, None)[0] == first.sha
@@ -110,11 +112,14 @@ def test_a_cache_filled_by_snapshot_download_is_adopted_without_fetching_a_byte(
     hub.reset_stats()
     observer = RecordingObserver()
     adopted = fetch(hub, nas, observer=observer)
-    assert adopted.fetched_bytes == 0 and hub.bytes_served == 0
+    assert adopted.fetched_bytes == 0
+    assert hub.bytes_served == 0
     hashed = [m for m in observer.messages if "hashed" in m]
-    assert hashed and f"({adopted.total_bytes} bytes)" in hashed[0], observer.messages
+    assert hashed, observer.messages
+    assert f"({adopted.total_bytes} bytes)" in hashed[0], observer.messages
     hub.reset_stats()
-    assert fetch(hub, nas).fetched_bytes == 0 and hub.request_count == 0
+    assert fetch(hub, nas).fetched_bytes == 0
+    assert hub.request_count == 0
     observer = RecordingObserver()
     assert fetch(hub, nas, observer=observer, rehash=True).fetched_bytes == 0
     assert any("hashed" in m for m in observer.messages), observer.messages

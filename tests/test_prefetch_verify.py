@@ -8,7 +8,7 @@ from typing import Any
 
 from prefetch_hub import SHA, TINY, RecordingObserver, fetch, snapshot_matches_hub
 
-from lab.hub import HubServer
+from lab.hub.server import HubServer
 from sparkdeploy.steps.prefetch.cache import storage_dir
 from sparkdeploy.steps.prefetch.hub import HubFile
 from sparkdeploy.steps.prefetch.verify import check_files
@@ -31,7 +31,8 @@ def test_corrupt_and_truncated_files_are_removed_for_refetch(
     to_fetch = check_files(snapshot, files, verified, observer, TINY)
     assert [f.path for f in to_fetch] == ["sub/model-00002.safetensors", "model-00001.safetensors"]
     assert set(verified) == {"config.json"}
-    assert not same_size.exists() and not same_size.is_symlink()
+    assert not same_size.exists()
+    assert not same_size.is_symlink()
     assert not blob_of_same_size.exists()
     assert not truncated.is_symlink()
     assert any("does not match its sha256" in m for m in observer.messages)

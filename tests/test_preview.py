@@ -10,8 +10,9 @@ from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.project import load_plan
 from sparkdeploy.steps.hold_nodes import NodeHolder
 from sparkdeploy.steps.preview import Preview, Row
+from sparkdeploy.steps.preview.image import image_rows
 from sparkdeploy.steps.preview.model import DEFAULT_DOWNLOAD_GB_PER_S, Rates, timed
-from sparkdeploy.steps.preview.nodes import NodeLook, boot_rows, image_rows
+from sparkdeploy.steps.preview.nodes import NodeLook, boot_rows
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "clusters" / "dgx-spark-4.toml"
@@ -52,9 +53,12 @@ def test_rates_come_from_the_inventory_else_from_stated_defaults(tmp_path: Path)
         )
     )
     assert (rated.download.gb_per_s, rated.download.source) == (0.5, "inventory")
-    assert rated.nas_read.gb_per_s == 2 and rated.pull.gb_per_s == 0.25
-    assert rated.disks["dgx1"].gb_per_s == 4.0 and rated.disks["dgx4"].gb_per_s == 1.5
-    assert rated.nas_to_disk("dgx1").gb_per_s == 2 and rated.nas_to_disk("dgx4").gb_per_s == 1.5
+    assert rated.nas_read.gb_per_s == 2
+    assert rated.pull.gb_per_s == 0.25
+    assert rated.disks["dgx1"].gb_per_s == 4.0
+    assert rated.disks["dgx4"].gb_per_s == 1.5
+    assert rated.nas_to_disk("dgx1").gb_per_s == 2
+    assert rated.nas_to_disk("dgx4").gb_per_s == 1.5
 
 
 def test_a_rows_time_and_the_preview_verdict_and_markdown() -> None:
@@ -68,7 +72,8 @@ def test_a_rows_time_and_the_preview_verdict_and_markdown() -> None:
     assert download.timing == "~10 s at 0.1 GB/s (default)"
     free = Row("hold-nodes", "dgx1", "node lock", "take", None, "free | really")
     moving = Preview("dep-1", "r", "c", ("dgx1",), {"replace": False}, (download, free))
-    assert moving.step_seconds("prefetch") == 10.0 and moving.step_seconds("boot") == 0.0
+    assert moving.step_seconds("prefetch") == 10.0
+    assert moving.step_seconds("boot") == 0.0
     assert moving.verdict.startswith("a deploy now: 2 action(s)")
     text = moving.markdown()
     assert "| prefetch | (flow host) | org/m@main | download | 953.7 MiB (1000000000 B) |" in text
@@ -96,12 +101,14 @@ def test_image_rows_pull_where_missing_with_the_size_another_node_gives() -> Non
     looks = {name: _look("sha256:aa", 2 * 10**9) for name in names}
     looks[names[-1]] = _look(None)
     rows = {row.node: row for row in image_rows(plan, looks, rates)}
-    assert rows[names[0]].action == "none" and "present (sha256:aa)" in rows[names[0]].detail
+    assert rows[names[0]].action == "none"
+    assert "present (sha256:aa)" in rows[names[0]].detail
     assert (rows[names[-1]].action, rows[names[-1]].bytes) == ("pull", 2 * 10**9)
     assert rows[names[-1]].expected_s == 20.0
     looks[names[-1]] = _look(None, free=1 << 30)
     short = {row.node: row for row in image_rows(plan, looks, rates)}[names[-1]]
-    assert short.action == "refuse" and "not enough disk" in short.detail
+    assert short.action == "refuse"
+    assert "not enough disk" in short.detail
 
 
 def _container(name: str, deployment: str, node: str) -> ContainerInfo:
@@ -134,4 +141,5 @@ def test_boot_rows_remove_our_stale_copy_replace_a_holder_and_name_the_rest() ->
     waiting = boot_rows(plan, {node: look}, {node: holder}, replace=False)
     assert waiting[1].action == "wait"
     gone = boot_rows(plan, {node: look}, {node: None}, replace=False)
-    assert gone[1].action == "remove" and "no longer holds the node" in gone[1].detail
+    assert gone[1].action == "remove"
+    assert "no longer holds the node" in gone[1].detail

@@ -44,9 +44,12 @@ def test_a_deploy_does_what_its_preview_said_then_a_redeploy_too(cluster: str) -
         first = preview_flow(RECIPE, cluster=cluster)
         assert first.refusals == [], first.markdown()
         [repo] = first.of_step("prefetch")
-        assert repo.action in ("download", "none") and repo.subject.startswith("lab/tiny-chat@")
+        assert repo.action in ("download", "none")
+        assert repo.subject.startswith("lab/tiny-chat@")
         if repo.action == "download":
-            assert repo.bytes and repo.expected_s and "(default)" in repo.timing
+            assert repo.bytes
+            assert repo.expected_s
+            assert "(default)" in repo.timing
         [hold] = first.of_step("hold-nodes")
         assert (hold.node, hold.action, hold.detail) == (node, "take", "free")
         [image] = first.of_step("image")
@@ -59,10 +62,12 @@ def test_a_deploy_does_what_its_preview_said_then_a_redeploy_too(cluster: str) -
         assert [r.action for r in second.of_step("prefetch")] == ["none"]
         assert "complete" in second.of_step("prefetch")[0].detail
         [hold] = second.of_step("hold-nodes")
-        assert hold.action == "take over" and "held by this deployment" in hold.detail
+        assert hold.action == "take over"
+        assert "held by this deployment" in hold.detail
         assert "redeploy" in hold.detail
         [image] = second.of_step("image")
-        assert image.action == "none" and image.detail.startswith("present (sha256:")
+        assert image.action == "none"
+        assert image.detail.startswith("present (sha256:")
         [boot] = second.of_step("boot")
         assert (boot.subject, boot.action) == (plan.nodes[0].container.name, "remove")
         assert "stale copy of this deployment" in boot.detail

@@ -10,23 +10,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from local_node import LocalPython
-
-from sparkdeploy.node import compose_model, stage_engram, stage_plain
+from lab.testing.local_node import LocalNode
+from sparkdeploy.node import compose_model, engram_plan, staged_file
 from sparkdeploy.node import prune as node_prune
 from sparkdeploy.spec.recipe import RepoRef
-from sparkdeploy.steps import prune
-from sparkdeploy.steps.prune import (
-    KEPT,
-    NAS,
-    REMOVED,
-    WOULD_REMOVE,
-    Candidate,
+from sparkdeploy.steps.prune.in_use import (
     InUse,
-    decide_node,
-    decide_repo,
-    prune_nas,
+    deployments_in_use,
+    recipes_in_use,
+    resolved_sha,
 )
+from sparkdeploy.steps.prune.nas import decide_repo, prune_nas
+from sparkdeploy.steps.prune.nodes import call_node, decide_node
+from sparkdeploy.steps.prune.rows import KEPT, NAS, REMOVED, WOULD_REMOVE, Candidate
 from sparkdeploy.steps.teardown import left_on_nodes
 
 NOW = time.time()
@@ -75,18 +71,17 @@ def decisions(candidates: list[Candidate]) -> dict[str, tuple[bool, str]]:
 
 def listing(root: Path, named: Sequence[Path] = ()) -> dict[str, Any]:
     """The node script's listing, run as on a node (stdlib-only python3)."""
-    return prune.call_node(
-        LocalPython(),
+    return call_node(
+        LocalNode(),
         "node1",
         {"action": "list", "composed_root": str(root), "local_files": [str(p) for p in named]},
     )
 
 
 def test_the_companion_names_are_the_staging_scripts() -> None:
-    assert node_prune.MANIFEST_SUFFIX == stage_engram.MANIFEST_SUFFIX
-    assert node_prune.MANIFEST_SUFFIX == stage_plain.MANIFEST_SUFFIX
-    assert stage_engram.PARTIAL_SUFFIX in node_prune.COMPANION_SUFFIXES
-    assert stage_engram.JOURNAL_SUFFIX in node_prune.COMPANION_SUFFIXES
+    assert node_prune.MANIFEST_SUFFIX == staged_file.MANIFEST_SUFFIX
+    assert staged_file.PARTIAL_SUFFIX in node_prune.COMPANION_SUFFIXES
+    assert engram_plan.JOURNAL_SUFFIX in node_prune.COMPANION_SUFFIXES
 
 
 def test_a_gone_deployments_dir_and_copy_are_removed_with_the_manifest(tmp_path: Path) -> None:
@@ -105,11 +100,12 @@ def test_a_gone_deployments_dir_and_copy_are_removed_with_the_manifest(tmp_path:
     # Sparse: the bytes on disk, not the file's size.
     assert next(c for c in found if c.path == str(copy)).bytes < 1 << 20
     items = [c.item for c in found if c.remove]
-    answer = prune.call_node(
-        LocalPython(), "node1", {"action": "remove", "composed_root": str(root), "items": items}
+    answer = call_node(
+        LocalNode(), "node1", {"action": "remove", "composed_root": str(root), "items": items}
     )
     assert sorted(answer["removed"]) == sorted([str(gone), str(copy)])
-    assert not gone.exists() and not copy.exists()
+    assert not gone.exists()
+    assert not copy.exists()
     assert not Path(f"{copy}{node_prune.MANIFEST_SUFFIX}").exists()
 
 
@@ -131,8 +127,8 @@ def test_a_link_made_after_the_listing_keeps_the_copy(tmp_path: Path) -> None:
     found = decide_node("node1", listing(root, [copy]), InUse(), NOW, WEEK_S)
     assert decisions(found)[str(copy)][0]
     os.link(copy, tmp_path / "late-lane.safetensors")
-    answer = prune.call_node(
-        LocalPython(),
+    answer = call_node(
+        LocalNode(),
         "node1",
         {"action": "remove", "composed_root": str(root), "items": [found[0].item]},
     )
@@ -173,12 +169,13 @@ def test_a_held_deployments_dir_and_copies_are_kept(tmp_path: Path) -> None:
     copy = local_file(tmp_path / "engram" / "shard.safetensors")
     held = composed_dir(root, "lab-held-00000001", [copy])
     in_use = InUse()
-    prune.deployments_in_use(tmp_path / "nas", [], {"node1": "lab-held-00000001"}, in_use)
+    deployments_in_use(tmp_path / "nas", [], {"node1": "lab-held-00000001"}, in_use)
     found = decisions(decide_node("node1", listing(root), in_use, NOW, WEEK_S))
     assert found[str(held)] == (False, "deployment lab-held-00000001 holds node node1")
     assert not found[str(copy)][0]
     # Held before its boot: what it reads on the NAS is not known, so the NAS is left alone.
-    assert in_use.nas_doubt is not None and "lab-held-00000001" in in_use.nas_doubt
+    assert in_use.nas_doubt is not None
+    assert "lab-held-00000001" in in_use.nas_doubt
 
 
 def test_a_file_without_our_manifest_and_a_dir_without_our_key_are_kept(tmp_path: Path) -> None:
@@ -222,8 +219,8 @@ def test_a_revision_no_recipe_names_goes_but_a_blob_another_revision_links_stays
     new = snapshot(storage, new_sha, {"shared": b"s" * 5000, "only-new": b"n" * 100})
     (storage / "refs" / "main").write_text(new_sha)
     in_use = InUse()
-    prune.recipes_in_use(tmp_path / "no-recipes", cache, in_use)
-    sha = prune.resolved_sha(cache, RepoRef(repo="lab/tiny"))
+    recipes_in_use(tmp_path / "no-recipes", cache, in_use)
+    sha = resolved_sha(cache, RepoRef(repo="lab/tiny"))
     assert sha == new_sha
     in_use.keep_revision("lab/tiny", sha, "recipe lab-tiny names it (lab/tiny (main))")
     found = decisions(decide_repo(storage, "lab/tiny", in_use, NOW, WEEK_S))
@@ -233,9 +230,11 @@ def test_a_revision_no_recipe_names_goes_but_a_blob_another_revision_links_stays
 
     rows = prune_nas(cache, in_use, NOW, WEEK_S, dry_run=False, log=lambda line: None)
     assert {(r.path, r.action) for r in rows} == {(str(old), REMOVED), (str(new), KEPT)}
-    assert not old.exists() and not (storage / "blobs" / "only-old").exists()
+    assert not old.exists()
+    assert not (storage / "blobs" / "only-old").exists()
     assert not (storage / ".sparkdeploy" / f"{old_sha}.json").exists()
-    assert (storage / "blobs" / "shared").exists() and (new / "shared.bin").read_bytes()
+    assert (storage / "blobs" / "shared").exists()
+    assert (new / "shared.bin").read_bytes()
 
 
 def test_a_recent_revision_and_a_recent_partial_stay_an_old_partial_goes(tmp_path: Path) -> None:

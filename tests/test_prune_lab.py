@@ -7,7 +7,7 @@ import contextlib
 from pathlib import Path
 
 import pytest
-from lab_flows import ask, nothing_runs, recipe_variant
+from lab_flows import LAB_DSV41_RECIPE, ask, nothing_runs, recipe_variant
 
 from flows.deploy import deploy
 from flows.prune import prune
@@ -19,11 +19,11 @@ from sparkdeploy.remote.targets import node_target
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import Plan
 from sparkdeploy.spec.project import load_plan
-from sparkdeploy.spec.recipe import load_all_recipes
-from sparkdeploy.steps.prune import KEPT, NAS, REMOVED, WOULD_REMOVE
+from sparkdeploy.spec.recipe_loading import load_all_recipes
+from sparkdeploy.steps.prune.rows import KEPT, NAS, REMOVED, WOULD_REMOVE
 
-ROOT = Path(__file__).parent.parent
-LAB_DSV41 = ROOT / "recipes" / "lab-dsv41-3x" / "recipe.toml"
+pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
+
 ENGRAM_LOCAL = 'host = "/var/tmp/engram-local/'
 
 
@@ -32,7 +32,7 @@ def variant_at(tmp_path: Path, name: str, local_dir: str) -> str:
     return recipe_variant(
         tmp_path,
         name,
-        LAB_DSV41,
+        LAB_DSV41_RECIPE,
         (ENGRAM_LOCAL, f'host = "{local_dir}/'),
         (ENGRAM_LOCAL, f'host = "{local_dir}/'),
     )
@@ -73,8 +73,6 @@ def recipe_snapshots(cluster: str) -> set[Path]:
     return found
 
 
-@pytest.mark.lab
-@pytest.mark.usefixtures("prefect_harness")
 def test_prune_frees_what_teardowns_left_and_nothing_a_running_deployment_uses(
     cluster: str, tmp_path: Path
 ) -> None:

@@ -13,17 +13,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from sparkdeploy.errors import BootFailed
-from sparkdeploy.steps.readiness_gate import (
+from sparkdeploy.remote.engine_http import probe_endpoint
+from sparkdeploy.steps.readiness_gate import GateEvent, ReadinessGate, follow_lines
+from sparkdeploy.steps.readiness_gate.watch import (
+    BootMarkers,
     BootWatch,
     ContainerExited,
     ContainerMissing,
     ExitStatus,
-    GateEvent,
-    LogLine,
-    ReadinessGate,
-    follow_lines,
-    probe_endpoint,
 )
+from sparkdeploy.vllm.log_lines import LogLine
 from sparkdeploy.vllm.markers import DEFAULT_FAILURE_MARKERS, Marker
 
 HEAD_0_11 = [
@@ -123,17 +122,21 @@ def test_missing_marker_and_unjoined_worker_are_awaited_by_name() -> None:
     watch = BootWatch(head="node1", workers=["node2"], started_at=0.0)
     feed(watch, "node1", HEAD_0_33[:3])
     awaited = watch.awaited()
-    assert awaited is not None and awaited[:2] == ("node1", "engine_initialized")
+    assert awaited is not None
+    assert awaited[:2] == ("node1", "engine_initialized")
     feed(watch, "node1", HEAD_0_33[3:])
     assert not watch.complete
     awaited = watch.awaited()
-    assert awaited is not None and awaited[:2] == ("node2", "headless_worker_joined")
+    assert awaited is not None
+    assert awaited[:2] == ("node2", "headless_worker_joined")
     # The Launching line is printed at start-up, long before the worker joined: recorded only.
     feed(watch, "node2", [WORKER_LAUNCHING])
-    assert not watch.complete and watch.unjoined_workers() == ["node2"]
+    assert not watch.complete
+    assert watch.unjoined_workers() == ["node2"]
     assert watch.timeline[-1].marker == "headless_worker_launching"
     feed(watch, "node2", [WORKER_JOIN])
-    assert watch.complete and watch.unjoined_workers() == []
+    assert watch.complete
+    assert watch.unjoined_workers() == []
     assert (watch.timeline[-1].node, watch.timeline[-1].marker) == (
         "node2",
         "headless_worker_joined",
@@ -147,7 +150,8 @@ def test_markers_count_in_any_order_and_the_first_unseen_is_the_one_awaited() ->
     watch = BootWatch(head="node1", workers=[], started_at=0.0)
     feed(watch, "node1", HEAD_0_11[-3:])
     awaited = watch.awaited()
-    assert awaited is not None and awaited[:2] == ("node1", "weights_loaded")
+    assert awaited is not None
+    assert awaited[:2] == ("node1", "weights_loaded")
     feed(watch, "node1", HEAD_0_11[:-3])
     assert watch.complete
     assert [entry.marker for entry in watch.timeline][:3] == [
@@ -173,7 +177,7 @@ def test_recipe_markers_replace_the_defaults() -> None:
         Marker("kv_cache_size", r"GPU KV cache size: (?P<kv_cache_tokens>[\d,]+) tokens"),
         Marker("application_ready", r"Application startup complete"),
     ]
-    watch = BootWatch(head="a", workers=[], started_at=0.0, boot_markers=glm_markers)
+    watch = BootWatch(head="a", workers=[], started_at=0.0, markers=BootMarkers(boot=glm_markers))
     feed(watch, "a", [HEAD_0_33[1], "[quantprobe] layer 45 experts algo=MXFP8", *HEAD_0_33[3:]])
     assert watch.complete
     names = {m.name for m in glm_markers}
@@ -200,7 +204,8 @@ def test_free_memory_line_fails_naming_node_cause_and_context() -> None:
     assert failure.excerpt[-1] == fatal
     assert WORKER_JOIN in failure.excerpt
     error = failure.to_error(5.0)
-    assert "node2" in str(error) and "--gpu-memory-utilization" in str(error)
+    assert "node2" in str(error)
+    assert "--gpu-memory-utilization" in str(error)
 
 
 @pytest.mark.parametrize(
@@ -240,7 +245,8 @@ def test_each_fatal_line_of_facts_is_named(line: str, kind: str) -> None:
     failure = watch.observe(
         LogLine("node1", f"(EngineCore pid=60) ERROR 09-18 02:00:41 [core.py:700] {line}", 1.0)
     )
-    assert failure is not None and failure.kind == kind
+    assert failure is not None
+    assert failure.kind == kind
 
 
 def test_engine_core_init_failed_quotes_the_root_cause_above_it() -> None:
@@ -248,7 +254,7 @@ def test_engine_core_init_failed_quotes_the_root_cause_above_it() -> None:
         head="node1",
         workers=[],
         started_at=0.0,
-        failure_markers=DEFAULT_FAILURE_MARKERS,
+        markers=BootMarkers(failure=DEFAULT_FAILURE_MARKERS),
     )
     feed(
         watch,
@@ -287,51 +293,67 @@ def test_recipe_failure_marker_quantprobe_algo_none() -> None:
         head="node1",
         workers=["node2"],
         started_at=0.0,
-        failure_markers=[
-            *DEFAULT_FAILURE_MARKERS,
-            Marker("quantprobe_broken", r"\[quantprobe\].*algo=None"),
-        ],
+        markers=BootMarkers(
+            failure=[
+                *DEFAULT_FAILURE_MARKERS,
+                Marker("quantprobe_broken", r"\[quantprobe\].*algo=None"),
+            ]
+        ),
     )
     assert watch.observe(LogLine("node1", "[quantprobe] mtp.experts algo=MXFP8", 1.0)) is None
     failure = watch.observe(LogLine("node2", "[quantprobe] mtp.experts algo=None", 2.0))
-    assert failure is not None and (failure.node, failure.kind) == ("node2", "quantprobe_broken")
+    assert failure is not None
+    assert (failure.node, failure.kind) == ("node2", "quantprobe_broken")
 
 
 def test_exit_137_is_an_oom_kill_only_when_docker_says_so() -> None:
     watch = BootWatch(head="node1", workers=["node2"], started_at=0.0)
     feed(watch, "node2", [WORKER_JOIN])
     oom = watch.observe(ContainerExited("node2", 137, 3.0, oom_killed=True))
-    assert oom is not None and oom.kind == "oom_killed" and oom.node == "node2"
-    assert "137" in oom.cause and "OOMKilled is true" in oom.cause and oom.excerpt == [WORKER_JOIN]
+    assert oom is not None
+    assert oom.kind == "oom_killed"
+    assert oom.node == "node2"
+    assert "137" in oom.cause
+    assert "OOMKilled is true" in oom.cause
+    assert oom.excerpt == [WORKER_JOIN]
     assert "OOM-killed the container" in str(oom.to_error(3.0))
 
     killed = watch.observe(ContainerExited("node2", 137, 3.0, oom_killed=False))
-    assert killed is not None and killed.kind == "killed"
+    assert killed is not None
+    assert killed.kind == "killed"
     assert "not an OOM: State.OOMKilled is false" in killed.cause
-    assert "docker kill" in killed.cause and "docker stop" in str(killed.to_error(3.0))
+    assert "docker kill" in killed.cause
+    assert "docker stop" in str(killed.to_error(3.0))
 
     unknown = watch.observe(ContainerExited("node2", 137, 3.0))
-    assert unknown is not None and unknown.kind == "killed" and "unknown" in unknown.cause
+    assert unknown is not None
+    assert unknown.kind == "killed"
+    assert "unknown" in unknown.cause
 
     # The kernel's word wins over the code: an OOM kill of a child the engine survived, say.
     child = watch.observe(ContainerExited("node2", 1, 3.0, oom_killed=True))
-    assert child is not None and child.kind == "oom_killed"
+    assert child is not None
+    assert child.kind == "oom_killed"
 
 
 def test_other_exits_quote_the_last_error() -> None:
     watch = BootWatch(head="node1", workers=["node2"], started_at=0.0)
     feed(watch, "node1", ["Traceback (most recent call last):", "KeyError: 'model_type'"])
     exited = watch.observe(ContainerExited("node1", 1, 4.0))
-    assert exited is not None and exited.kind == "container_exited"
-    assert "code 1" in exited.cause and "KeyError: 'model_type'" in exited.cause
+    assert exited is not None
+    assert exited.kind == "container_exited"
+    assert "code 1" in exited.cause
+    assert "KeyError: 'model_type'" in exited.cause
 
 
 def test_a_missing_container_is_named_with_what_docker_said() -> None:
     watch = BootWatch(head="node1", workers=["node2"], started_at=0.0)
     said = "Error response from daemon: No such container: sparkdeploy-x-node2"
     failure = watch.observe(ContainerMissing("node2", said, 0.2))
-    assert failure is not None and (failure.node, failure.kind) == ("node2", "container_missing")
-    assert said in failure.cause and failure.excerpt == [said]
+    assert failure is not None
+    assert (failure.node, failure.kind) == ("node2", "container_missing")
+    assert said in failure.cause
+    assert failure.excerpt == [said]
     assert "run the boot step first" in str(failure.to_error(0.2))
 
 
@@ -419,12 +441,14 @@ def boot_events(node_lines: dict[str, list[str]]) -> queue.Queue[GateEvent]:
 
 def test_probe_reports_refused_unhealthy_and_listed_names(engine: FakeEngine) -> None:
     refused = probe_endpoint(closed_port_url(), "dsv41", timeout=1.0)
-    assert not refused.ready and "refused" in refused.detail
+    assert not refused.ready
+    assert "refused" in refused.detail
     engine.health_status = 503
     assert probe_endpoint(engine.url, "dsv41", timeout=1.0).detail == "/health answered 503"
     engine.health_status = 200
     ready = probe_endpoint(engine.url, "dsv41", timeout=1.0)
-    assert ready.ready and ready.served_names == ["dsv41"]
+    assert ready.ready
+    assert ready.served_names == ["dsv41"]
 
 
 def test_gate_is_ready_after_markers_and_health(engine: FakeEngine) -> None:
@@ -452,7 +476,8 @@ def test_gate_fails_when_the_one_completion_fails(engine: FakeEngine) -> None:
             served_model_name="dsv41",
             timeout_s=30,
         )
-    assert caught.value.kind == "completion_failed" and "500" in caught.value.cause
+    assert caught.value.kind == "completion_failed"
+    assert "500" in caught.value.cause
     assert len(engine.completions) == 1  # asked once, not polled
 
 
@@ -460,7 +485,8 @@ def test_a_head_exiting_with_code_0_is_a_failure() -> None:
     watch = BootWatch(head="node1", workers=[], started_at=0.0)
     feed(watch, "node1", HEAD_0_33[:2])
     failure = watch.observe(ContainerExited("node1", 0, 3.0))
-    assert failure is not None and failure.kind == "container_exited"
+    assert failure is not None
+    assert failure.kind == "container_exited"
     assert "exited with code 0 before any teardown" in failure.cause
 
 
@@ -473,7 +499,8 @@ def test_gate_fails_on_a_wrong_served_name(engine: FakeEngine) -> None:
             served_model_name="glm53",
             timeout_s=30,
         )
-    assert caught.value.kind == "served_name_mismatch" and "dsv41" in caught.value.cause
+    assert caught.value.kind == "served_name_mismatch"
+    assert "dsv41" in caught.value.cause
 
 
 def test_gate_fails_on_a_fatal_line_long_before_its_timeout(engine: FakeEngine) -> None:
@@ -500,7 +527,7 @@ def test_gate_timeout_says_when_the_endpoint_is_up_but_a_marker_never_matched(
     engine: FakeEngine,
 ) -> None:
     gate = ReadinessGate(
-        head="node1", boot_markers=[Marker("never", r"this line is never printed")]
+        head="node1", markers=BootMarkers(boot=[Marker("never", r"this line is never printed")])
     )
     with pytest.raises(BootFailed) as caught:
         gate.wait(
@@ -517,7 +544,8 @@ def test_gate_waits_through_refused_connections_until_markers_and_health() -> No
     events = boot_events({"node1": HEAD_0_33})
     with pytest.raises(BootFailed) as caught:
         gate.wait(events, endpoint=closed_port_url(), served_model_name="dsv41", timeout_s=0.5)
-    assert caught.value.kind == "timeout" and "connection refused" in caught.value.cause
+    assert caught.value.kind == "timeout"
+    assert "connection refused" in caught.value.cause
 
 
 def test_follow_lines_feeds_lines_then_the_exit_status() -> None:
@@ -529,6 +557,7 @@ def test_follow_lines_feeds_lines_then_the_exit_status() -> None:
         ("node3", "one"),
         ("node3", "two"),
     ]
-    assert isinstance(received[2], ContainerExited) and received[2].exit_code == 137
+    assert isinstance(received[2], ContainerExited)
+    assert received[2].exit_code == 137
     assert received[2].oom_killed is True
     assert events.empty()

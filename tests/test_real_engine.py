@@ -60,7 +60,8 @@ def test_two_nodes_deploy_through_prefect_and_a_killed_worker_is_named(
         )
         assert canary.is_answer(answer)
     [running] = cluster_status(load_cluster(Path(cluster)))
-    assert running.recipe == "real-lab-2x" and running.healthy
+    assert running.recipe == "real-lab-2x"
+    assert running.healthy
     assert running.nodes == ["node1", "node2"]
 
     # Real vLLM's head does not notice a dead worker: /health stays 200. The watchdog's real

@@ -4,12 +4,8 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.errors import RecipeError
-from sparkdeploy.spec.recipe import (
-    DEFAULT_READINESS_TIMEOUT_S,
-    RepoRef,
-    load_all_recipes,
-    load_recipe,
-)
+from sparkdeploy.spec.recipe import DEFAULT_READINESS_TIMEOUT_S, RepoRef
+from sparkdeploy.spec.recipe_loading import load_all_recipes, load_recipe
 
 ROOT = Path(__file__).parent.parent
 RECIPES = ROOT / "recipes"

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from sparkdeploy.cli import app
 from sparkdeploy.report.recipe_diff import diff_recipes, engine_flags
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 
 ROOT = Path(__file__).parent.parent
 runner = CliRunner()
@@ -69,7 +69,8 @@ def test_flags_env_image_and_mounts_that_differ_are_listed(tmp_path: Path) -> No
         "mounts:",
         "  /data: (not set) -> /data (ro)",
     ]
-    assert "hf_aaa" not in result.stdout and "hf_b" not in result.stdout
+    assert "hf_aaa" not in result.stdout
+    assert "hf_b" not in result.stdout
 
 
 def test_the_plans_flags_count_as_the_engine_gets_them() -> None:

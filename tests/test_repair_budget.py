@@ -22,4 +22,5 @@ def test_repairs_are_bounded_per_hour_then_left_for_a_person() -> None:
     message = refusal(50, 10)
     assert message is not None
     assert "repaired 2 time(s) in the past hour (deploy-50 at 2026-01-01T11:10:00+00:00" in message
-    assert "left for a person" in message and "node1 head_exited" in message
+    assert "left for a person" in message
+    assert "node1 head_exited" in message

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.errors import ReplaceRefused
+from sparkdeploy.errors import ReplaceRefused, RollbackFailed, RolledBack
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import Plan, make_plan
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.steps.hold_nodes import NodeHolder, Replaced, holder_decision
-from sparkdeploy.steps.replace import plan_replacement, rollback_message
+from sparkdeploy.steps.replace import bring_back, plan_replacement, rollback_message
 from sparkdeploy.steps.status import DeploymentStatus, NodeContainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +72,8 @@ def test_what_is_not_replaced() -> None:
         (held(NEW.deployment_id, "run-old"), ended("run-old"), [running(NEW)]),
     ):
         replacement = plan_replacement(NEW, {"dgx2": holder}, runs_ended, statuses)
-        assert replacement.replacing == {} and replacement.bring_back == []
+        assert replacement.replacing == {}
+        assert replacement.bring_back == []
 
 
 def test_a_deployment_that_could_not_be_brought_back_is_refused() -> None:
@@ -133,7 +134,26 @@ def test_the_rollback_message_names_what_serves_again() -> None:
     )
     lost = Replaced(OLD.deployment_id, "lab-dsv41-3x", ("dgx2", "dgx3", "dgx4"), SINCE)
     message = rollback_message(failure, NEW, [], [(lost, RuntimeError("boot failed"))])
-    assert (
-        f"rolling back to {OLD.deployment_id}" in message and "failed too: boot failed" in message
-    )
+    assert f"rolling back to {OLD.deployment_id}" in message
+    assert "failed too: boot failed" in message
     assert "nothing of ours serves on dgx2, dgx3, dgx4" in message
+
+
+def test_bringing_back_tries_every_replaced_deployment_and_names_those_it_could_not() -> None:
+    failure = RuntimeError("boot failed")
+    old = Replaced(OLD.deployment_id, "lab-dsv41-3x", ("dgx2", "dgx3", "dgx4"), SINCE)
+    lost = Replaced("lab-gone-0badc0de", "gone", ("dgx1",), SINCE)
+    tried: list[Replaced] = []
+
+    def redeploy(replaced: Replaced) -> Plan:
+        tried.append(replaced)
+        if replaced == lost:
+            raise RuntimeError("no recipe named 'gone'")
+        return OLD
+
+    assert isinstance(bring_back(failure, NEW, [old], redeploy), RolledBack)
+    error = bring_back(failure, NEW, [lost, old], redeploy)
+    assert isinstance(error, RollbackFailed)
+    assert tried == [old, lost, old]
+    assert f"rolled back to {OLD.deployment_id}" in str(error)
+    assert "rolling back to lab-gone-0badc0de (gone on dgx1) failed too" in str(error)

@@ -99,7 +99,8 @@ def test_levels_are_spaced_evenly_across_the_plot_and_labelled() -> None:
     )
     second_panel = coordinates(all_of(root, "polyline")[2])
     assert second_panel[0][0] == pytest.approx(PANEL_WIDTH + MARGIN_LEFT)
-    assert texts(root).count("1") == 2 and texts(root).count("4") == 2
+    assert texts(root).count("1") == 2
+    assert texts(root).count("4") == 2
     assert texts(root).count("concurrency") == 2
 
 
@@ -189,7 +190,8 @@ def test_no_panels_or_empty_panels_still_make_a_well_formed_picture() -> None:
     assert f(nothing, "width") == PANEL_WIDTH
     assert all_of(nothing, "polyline") == []
     empty = parse(svg([Panel("no data", ()), Panel("no points", (Series("A", ()),))]))
-    assert "no data" in texts(empty) and "no points" in texts(empty)
+    assert "no data" in texts(empty)
+    assert "no points" in texts(empty)
     assert [p.attrib["points"] for p in all_of(empty, "polyline")] == [""]
     assert texts(empty).count("1") == 2  # an empty axis runs 0 to 1
 
@@ -219,7 +221,8 @@ def test_huge_and_tiny_figures_are_labelled_readably() -> None:
 )
 def test_the_axis_top_is_the_next_round_figure(value: float, axis: tuple[float, int]) -> None:
     top, intervals = nice_axis(value)
-    assert (top, intervals) == (pytest.approx(axis[0]), axis[1])
+    assert top == pytest.approx(axis[0])
+    assert intervals == axis[1]
 
 
 @pytest.mark.parametrize("value", [0.0, -3.0])
@@ -243,7 +246,8 @@ def test_the_markdown_image_inlines_the_svg_as_base64() -> None:
     picture = svg([Panel("tok/s ± spread — A", (Series("Ä", (Point(1, 1.0),)),))])
     image = markdown_image("throughput against concurrency", picture)
     prefix = "![throughput against concurrency](data:image/svg+xml;base64,"
-    assert image.startswith(prefix) and image.endswith(")")
+    assert image.startswith(prefix)
+    assert image.endswith(")")
     encoded = image[len(prefix) : -1]
     assert base64.b64decode(encoded, validate=True).decode() == picture
     assert "\n" not in image

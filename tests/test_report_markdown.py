@@ -17,7 +17,8 @@ def cells_of(line: str) -> list[str]:
     """A row's cells as GitHub's renderer (cmark-gfm) reads them: a backslash and the character
     after it are one unit, an unpaired `|` ends a cell; then `\\|` is a pipe and the cell's
     backslash escapes are read."""
-    assert line.startswith("| ") and line.endswith(" |"), line
+    assert line.startswith("| "), line
+    assert line.endswith(" |"), line
     cells, cell, rest = [], "", line[2:-2]
     while rest:
         if rest[0] == "\\" and len(rest) > 1:

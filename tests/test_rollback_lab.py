@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 from lab_flows import (
+    LAB_SINGLE_RECIPE,
     answers_the_canary,
     flow_process,
     harness_env,
@@ -20,11 +20,13 @@ from lab_flows import (
     recipe_variant,
     task_history,
     wait_for_state,
+    with_env,
 )
 
 from flows.deploy import deploy
 from flows.teardown import teardown
-from lab.prefect_local import PROJECT_ROOT, deployment_run
+from lab.prefect_local import deployment_run
+from lab.testing.waiting import wait_for
 from sparkdeploy.errors import NodeLockError, RolledBack
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.project import load_plan
@@ -32,12 +34,6 @@ from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.status import cluster_status
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
-
-SINGLE = PROJECT_ROOT / "recipes" / "lab-single" / "recipe.toml"
-
-
-def with_fault(fault: str) -> tuple[str, str]:
-    return "[env]\n", f'[env]\nSTANDIN_FAULT = "{fault}"\n'
 
 
 def only_running(cluster: str) -> str:
@@ -52,7 +48,9 @@ def test_a_failed_replacement_rolls_back_and_a_good_one_commits(
 ) -> None:
     serving = deploy("lab-single", cluster=cluster)
     inventory = load_cluster(Path(cluster))
-    bad = recipe_variant(tmp_path, "lab-loop", SINGLE, with_fault("token_loop"))
+    bad = recipe_variant(
+        tmp_path, "lab-loop", LAB_SINGLE_RECIPE, with_env(STANDIN_FAULT="token_loop")
+    )
     # Without replace, the lock refusal stands, and says how to replace.
     with pytest.raises(NodeLockError, match="deploy with replace=true"):
         deploy(bad, cluster=cluster, lock_timeout_s=2)
@@ -65,10 +63,13 @@ def test_a_failed_replacement_rolls_back_and_a_good_one_commits(
         f"rolled back to {serving.deployment_id} (lab-single on node1), which is serving again"
         f" at {serving.endpoint}"
     ) in message
-    assert only_running(cluster) == serving.deployment_id and answers_the_canary(serving.endpoint)
+    assert only_running(cluster) == serving.deployment_id
+    assert answers_the_canary(serving.endpoint)
     holder = holders(inventory.name, ["node1"])["node1"]
-    assert holder is not None and holder.deployment_id == serving.deployment_id
-    assert holder.replaces is None and holder.flow_run_id is not None
+    assert holder is not None
+    assert holder.deployment_id == serving.deployment_id
+    assert holder.replaces is None
+    assert holder.flow_run_id is not None
     # The failed run's history: the new deployment's steps rolled back, the old one's rerun.
     history = task_history(holder.flow_run_id, settled=True)
     print("\n".join(history))
@@ -81,12 +82,13 @@ def test_a_failed_replacement_rolls_back_and_a_good_one_commits(
     kept = Path(inventory.nas.runs_dir) / bad_id
     assert any(kept.glob("node1*.log")), "the failed deployment's log was not kept"
 
-    good = recipe_variant(tmp_path, "lab-next", SINGLE)
+    good = recipe_variant(tmp_path, "lab-next", LAB_SINGLE_RECIPE)
     replaced_by = deploy(good, cluster=cluster, replace=True)
     assert only_running(cluster) == replaced_by.deployment_id
     assert answers_the_canary(replaced_by.endpoint)
     holder = holders(inventory.name, ["node1"])["node1"]
-    assert holder is not None and holder.deployment_id == replaced_by.deployment_id
+    assert holder is not None
+    assert holder.deployment_id == replaced_by.deployment_id
     assert holder.replaces is None  # committed
     assert any((Path(inventory.nas.runs_dir) / serving.deployment_id).glob("node1*.log"))
     teardown(good, cluster=cluster)
@@ -104,7 +106,10 @@ def test_a_replacement_killed_mid_way_is_finished_by_the_next_run(
     serving = deploy("lab-single", cluster=cluster)
     inventory = load_cluster(Path(cluster))
     slow_bad = recipe_variant(
-        tmp_path, "lab-slow-loop", SINGLE, with_fault("slow_boot:30,token_loop")
+        tmp_path,
+        "lab-slow-loop",
+        LAB_SINGLE_RECIPE,
+        with_env(STANDIN_FAULT="slow_boot:30,token_loop"),
     )
     slow_bad_id = load_plan(slow_bad, cluster).deployment_id
     with lab_worker(env, tmp_path / "worker.log") as worker:
@@ -113,10 +118,12 @@ def test_a_replacement_killed_mid_way_is_finished_by_the_next_run(
             "deploy/deploy",
             {"recipe": slow_bad, "cluster": cluster, "replace": True},
         )
-        deadline = time.monotonic() + 300
-        while [s.deployment_id for s in cluster_status(inventory)] != [slow_bad_id]:
-            assert time.monotonic() < deadline, "the replacement never booted"
-            time.sleep(1)
+        wait_for(
+            "boot of the replacement",
+            lambda: [s.deployment_id for s in cluster_status(inventory)] == [slow_bad_id],
+            timeout_s=300,
+            poll_s=1,
+        )
         pid = flow_process(worker.pid, run_id)
         assert pid is not None, "no flow process of the run under the worker"
         os.kill(pid, signal.SIGKILL)
@@ -124,17 +131,20 @@ def test_a_replacement_killed_mid_way_is_finished_by_the_next_run(
         print(f"the killed run ended {state.name}")
         assert state.is_crashed(), state
     holder = holders(inventory.name, ["node1"])["node1"]
-    assert holder is not None and holder.deployment_id == slow_bad_id
-    assert holder.replaces is not None and holder.replaces.deployment_id == serving.deployment_id
+    assert holder is not None
+    assert holder.deployment_id == slow_bad_id
+    assert holder.replaces is not None
+    assert holder.replaces.deployment_id == serving.deployment_id
 
     # The next run, without replace: refused, naming what was being replaced.
-    other = recipe_variant(tmp_path, "lab-other", SINGLE)
+    other = recipe_variant(tmp_path, "lab-other", LAB_SINGLE_RECIPE)
     with pytest.raises(NodeLockError, match=f"replacing deployment {serving.deployment_id}"):
         deploy(other, cluster=cluster, lock_timeout_s=2)
     # The next replacing run of the same recipe: its stale copy goes, it fails its smoke test
     # again, and lab-single (not the killed run's half-started containers) comes back.
     with pytest.raises(RolledBack, match=f"rolled back to {serving.deployment_id}"):
         deploy(slow_bad, cluster=cluster, replace=True)
-    assert only_running(cluster) == serving.deployment_id and answers_the_canary(serving.endpoint)
+    assert only_running(cluster) == serving.deployment_id
+    assert answers_the_canary(serving.endpoint)
     teardown("lab-single", cluster=cluster)
     nothing_runs(cluster)

@@ -7,10 +7,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from sparkdeploy.remote.docker_cli import ContainerInfo
+from sparkdeploy.remote.engine_http import ProbeOutcome
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import SPEC_LABEL, Plan, make_plan
-from sparkdeploy.spec.recipe import load_recipe
-from sparkdeploy.steps.readiness_gate import ProbeOutcome
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.steps.running_copy import NodeFacts, judge_running_copy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,8 @@ def judge(facts: dict[str, NodeFacts], probe: ProbeOutcome | None = READY) -> tu
 
 def test_the_same_deployment_serving_as_planned_is_left_alone() -> None:
     state, reason = judge(as_planned(PLAN))
-    assert state == "serving" and PLAN.deployment_id in reason
+    assert state == "serving"
+    assert PLAN.deployment_id in reason
 
 
 def test_nothing_running_is_absent() -> None:
@@ -62,13 +63,15 @@ def test_another_recipe_version_or_image_is_different() -> None:
         [replace(changed[head].containers[0], labels=old_labels)], IMAGE, None
     )
     state, reason = judge(changed)
-    assert state == "different" and "runs spec 0123456789abcdef" in reason
+    assert state == "different"
+    assert "runs spec 0123456789abcdef" in reason
     retagged = {
         name: NodeFacts(facts.containers, "sha256:" + "2" * 64, None)
         for name, facts in as_planned(PLAN).items()
     }
     state, reason = judge(retagged)
-    assert state == "different" and "now names sha256:22222222222" in reason
+    assert state == "different"
+    assert "now names sha256:22222222222" in reason
 
 
 def test_a_dead_container_or_a_silent_head_is_unhealthy() -> None:
@@ -78,9 +81,11 @@ def test_a_dead_container_or_a_silent_head_is_unhealthy() -> None:
         [replace(facts[worker].containers[0], status="exited", exit_code=137)], IMAGE, None
     )
     state, reason = judge(facts)
-    assert state == "unhealthy" and f"{worker}'s container exited (137)" in reason
+    assert state == "unhealthy"
+    assert f"{worker}'s container exited (137)" in reason
     state, reason = judge(as_planned(PLAN), ProbeOutcome(False, "/health answered 503"))
-    assert state == "unhealthy" and "/health answered 503" in reason
+    assert state == "unhealthy"
+    assert "/health answered 503" in reason
 
 
 def test_a_copy_started_by_another_deploy_meanwhile_is_told_from_the_one_seen_before() -> None:
@@ -91,7 +96,9 @@ def test_a_copy_started_by_another_deploy_meanwhile_is_told_from_the_one_seen_be
     redeployed = judge_running_copy(
         PLAN, as_planned(PLAN, id="d" * 64), context_digest=None, probe_outcome=READY
     )
-    assert before.state == "unhealthy" and same.serving and redeployed.serving
+    assert before.state == "unhealthy"
+    assert same.serving
+    assert redeployed.serving
     assert not same.made_to_serve_since(same)  # the copy that failed its smoke test, say
     assert not same.made_to_serve_since(before)  # the same containers, restarted by hand
     assert redeployed.made_to_serve_since(before)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pickle
 import re
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,14 +12,14 @@ import pytest
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
+from lab.testing.local_node import LocalNode
 from sparkdeploy.cli import app
 from sparkdeploy.errors import ContainerStartError, RecipeError
-from sparkdeploy.remote.ssh import CommandResult
 from sparkdeploy.report.recipe_diff import diff_recipes
 from sparkdeploy.secrecy import is_secret_flag, is_secret_name, redact
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import Plan, make_plan
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.steps import boot
 from sparkdeploy.vllm.args import argv_has_flag
 
@@ -95,13 +94,15 @@ def test_the_plan_carries_secrets_wrapped_and_shows_them_as_stars(secret_plan: P
     [node] = secret_plan.nodes
     spec = node.container
     assert set(spec.secret_env) == {"SENTINEL_TOKEN", "MY_VAR", "VLLM_API_KEY"}
-    assert spec.env["PLAIN"] == "visible" and not set(spec.env) & set(spec.secret_env)
+    assert spec.env["PLAIN"] == "visible"
+    assert not set(spec.env) & set(spec.secret_env)
     # --api-key became VLLM_API_KEY: a flag would show in `ps` inside the node
     assert "--api-key" not in spec.command
     assert spec.env_file() == (
         f"SENTINEL_TOKEN={TOKEN}\nMY_VAR={MINE}\nVLLM_API_KEY={KEY}\n".encode()
     )
-    assert secret_plan.api_key is not None and secret_plan.api_key.get_secret_value() == KEY
+    assert secret_plan.api_key is not None
+    assert secret_plan.api_key.get_secret_value() == KEY
     shown = [
         " ".join(spec.docker_run_argv()),
         repr(secret_plan),
@@ -121,7 +122,8 @@ def test_sparkdeploy_plan_prints_stars(tmp_path: Path) -> None:
     for options in ([], ["--json"]):
         result = runner.invoke(app, ["plan", str(path), "--cluster", str(EXAMPLE), *options])
         assert result.exit_code == 0, result.output
-        assert KEY not in result.output and TOKEN not in result.output
+        assert KEY not in result.output
+        assert TOKEN not in result.output
         assert "***" in result.output
     text = runner.invoke(app, ["plan", str(path), "--cluster", str(EXAMPLE)]).output
     assert "--env-file <0600 file: HF_TOKEN=*** VLLM_API_KEY=***>" in text
@@ -155,16 +157,19 @@ def test_hf_token_flag_reaches_vllm_as_secret_env_and_shows_nowhere(tmp_path: Pa
     assert not argv_has_flag(spec.command, "--hf-token")
     assert HF not in " ".join(spec.docker_run_argv())
     assert spec.env_file() == f"HF_TOKEN={HF}\n".encode()
-    assert HF not in plan.model_dump_json() and HF not in repr(plan)
+    assert HF not in plan.model_dump_json()
+    assert HF not in repr(plan)
     runner = CliRunner()
     for options in ([], ["--json"]):
         result = runner.invoke(app, ["plan", str(path), "--cluster", str(EXAMPLE), *options])
         assert result.exit_code == 0, result.output
-        assert HF not in result.output and "***" in result.output
-    recording = RecordingRunner(tmp_path)
-    boot._run(recording, node, {})  # type: ignore[arg-type]
-    [argv] = recording.commands
-    assert all(HF not in arg for arg in argv) and "--env-file" in argv[2]
+        assert HF not in result.output
+        assert "***" in result.output
+    recording = node_with_docker_stub(tmp_path)
+    boot._run(recording, node, {})
+    [argv] = [ran.argv for ran in recording.ran]
+    assert all(HF not in arg for arg in argv)
+    assert "--env-file" in argv[2]
 
 
 def test_a_bare_hf_token_flag_stays_a_flag(tmp_path: Path) -> None:
@@ -180,7 +185,8 @@ def test_recipe_diff_masks_secret_flags(tmp_path: Path) -> None:
     b = load_recipe(write_recipe(tmp_path, args=[f"--hf-token={OTHER_HF}"], name="b"))
     found = diff_recipes(a, b)
     text = found.text() + found.markdown()
-    assert HF not in text and OTHER_HF not in text
+    assert HF not in text
+    assert OTHER_HF not in text
     assert "HF_TOKEN: *** -> *** (differs)" in found.text()
 
 
@@ -209,7 +215,8 @@ def test_secret_values_of_any_type_are_never_quoted(
         load_recipe(path)
     message = str(refused.value)
     assert problem in message
-    assert str(NUMBER) not in message and HF not in message
+    assert str(NUMBER) not in message
+    assert HF not in message
 
 
 @pytest.mark.parametrize(
@@ -231,55 +238,37 @@ def test_recipe_problems_never_echo_a_secret(
         load_recipe(path)
     message = str(refused.value)
     assert problem in message
-    assert KEY not in message and "12345" not in message and "second-key" not in message
+    assert KEY not in message
+    assert "12345" not in message
+    assert "second-key" not in message
 
 
-class RecordingRunner:
-    """A node's SSH connection, run locally: commands are recorded, `docker` is a stub that
+def node_with_docker_stub(bin_dir: Path, exit_code: int = 0) -> LocalNode:
+    """A node run on this machine (it keeps the commands it ran) whose `docker` is a stub that
     reports its argv and its env file (path, mode, content) and exits `exit_code`."""
-
-    def __init__(self, bin_dir: Path, exit_code: int = 0) -> None:
-        self.bin_dir = bin_dir
-        self.commands: list[tuple[str, ...]] = []
-        stub = bin_dir / "docker"
-        stub.write_text(
-            "#!/bin/sh\n"
-            'echo "argv: $*" >&2\n'
-            'if [ "$2" = --env-file ]; then stat -c "mode %a" "$3" >&2; cat "$3" >&2;'
-            ' echo "$3" >"$0.envfile"; fi\n'
-            f"[ {exit_code} = 0 ] && echo container-id\n"
-            f"exit {exit_code}\n"
-        )
-        stub.chmod(0o755)
-
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float,
-        stdin: bytes | None = None,
-        check: bool = True,
-    ) -> CommandResult:
-        self.commands.append(tuple(argv))
-        done = subprocess.run(
-            list(argv),
-            input=stdin or b"",
-            capture_output=True,
-            timeout=timeout,
-            env={"PATH": f"{self.bin_dir}:/usr/bin:/bin"},
-        )
-        return CommandResult(tuple(argv), done.returncode, done.stdout, done.stderr)
+    stub = bin_dir / "docker"
+    stub.write_text(
+        "#!/bin/sh\n"
+        'echo "argv: $*" >&2\n'
+        'if [ "$2" = --env-file ]; then stat -c "mode %a" "$3" >&2; cat "$3" >&2;'
+        ' echo "$3" >"$0.envfile"; fi\n'
+        f"[ {exit_code} = 0 ] && echo container-id\n"
+        f"exit {exit_code}\n"
+    )
+    stub.chmod(0o755)
+    return LocalNode(path=f"{bin_dir}:/usr/bin:/bin")
 
 
 def test_boot_passes_secrets_in_a_0600_env_file_removed_after_the_run(
     secret_plan: Plan, tmp_path: Path
 ) -> None:
-    runner = RecordingRunner(tmp_path)
+    runner = node_with_docker_stub(tmp_path)
     [node] = secret_plan.nodes
-    assert boot._run(runner, node, {"NCCL_IB_HCA": "mlx5_0"}) == "container-id"  # type: ignore[arg-type]
-    [argv] = runner.commands
+    assert boot._run(runner, node, {"NCCL_IB_HCA": "mlx5_0"}) == "container-id"
+    [argv] = [ran.argv for ran in runner.ran]
     assert all(value not in arg for arg in argv for value in (KEY, TOKEN, MINE))
-    assert "NCCL_IB_HCA=mlx5_0" in argv and node.container.image in argv
+    assert "NCCL_IB_HCA=mlx5_0" in argv
+    assert node.container.image in argv
     env_file = Path((tmp_path / "docker.envfile").read_text().strip())
     assert not env_file.exists()
 
@@ -287,18 +276,22 @@ def test_boot_passes_secrets_in_a_0600_env_file_removed_after_the_run(
 def test_a_failed_run_removes_the_env_file_and_its_error_names_no_secret(
     secret_plan: Plan, tmp_path: Path
 ) -> None:
-    runner = RecordingRunner(tmp_path, exit_code=125)
+    runner = node_with_docker_stub(tmp_path, exit_code=125)
     with pytest.raises(ContainerStartError) as failed:
-        boot._run(runner, secret_plan.nodes[0], {})  # type: ignore[arg-type]
+        boot._run(runner, secret_plan.nodes[0], {})
     message = str(failed.value)
-    assert "exited 125" in message and "mode 600" in message  # the stub's stderr, quoted
-    assert "SENTINEL_TOKEN=***" in message and TOKEN not in message and KEY not in message
+    assert "exited 125" in message
+    assert "mode 600" in message
+    assert "SENTINEL_TOKEN=***" in message
+    assert TOKEN not in message
+    assert KEY not in message
     assert not Path((tmp_path / "docker.envfile").read_text().strip()).exists()
 
 
 def test_a_recipe_without_secrets_runs_docker_directly(tmp_path: Path) -> None:
     plan = make_plan(load_recipe(SINGLE), load_cluster(EXAMPLE))
-    runner = RecordingRunner(tmp_path)
-    boot._run(runner, plan.nodes[0], {})  # type: ignore[arg-type]
-    [argv] = runner.commands
-    assert argv[:2] == ("docker", "run") and "--env-file" not in argv
+    runner = node_with_docker_stub(tmp_path)
+    boot._run(runner, plan.nodes[0], {})
+    [argv] = [ran.argv for ran in runner.ran]
+    assert argv[:2] == ("docker", "run")
+    assert "--env-file" not in argv

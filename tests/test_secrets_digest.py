@@ -20,7 +20,7 @@ from test_running_copy import READY, as_planned
 from sparkdeploy.secrecy import keyed_digest
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import SECRETS_LABEL, Plan, make_plan, with_secrets_label
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.steps.running_copy import judge_running_copy
 from tasks.plan import SECRETS_DIGEST_KEY_BLOCK, plan_deployment, secrets_digest_key
 
@@ -54,7 +54,8 @@ def test_the_label_is_a_keyed_digest_that_changes_with_any_value(tmp_path: Path)
         for text in (value, "sentinel-env", f"VLLM_API_KEY={value}")
     }
     shown = plan.model_dump_json()
-    assert value not in shown and not any(digest[:16] in shown for digest in unkeyed)
+    assert value not in shown
+    assert not any(digest[:16] in shown for digest in unkeyed)
     # the spec label does not move with a secret: the secrets label says why a copy differs
     assert (
         plan.nodes[0].container.labels["sparkdeploy.spec"]
@@ -94,7 +95,8 @@ def test_a_rotated_secret_makes_the_running_copy_different(tmp_path: Path) -> No
     rotated = plan_deployment(str(recipe), cluster)
     copy = judge_running_copy(rotated, facts, context_digest=None, probe_outcome=READY)
     assert copy.state == "different", copy.reason
-    assert "secret values" in copy.reason and "rotated-token" not in copy.reason
+    assert "secret values" in copy.reason
+    assert "rotated-token" not in copy.reason
 
 
 @pytest.mark.usefixtures("prefect_harness")
@@ -102,5 +104,6 @@ def test_the_key_is_made_once_and_kept_off_the_nodes() -> None:
     from prefect.blocks.system import Secret
 
     key = secrets_digest_key()
-    assert key == secrets_digest_key() and len(key) == 64
+    assert key == secrets_digest_key()
+    assert len(key) == 64
     assert Secret.load(SECRETS_DIGEST_KEY_BLOCK).get().encode() == key  # type: ignore[union-attr]

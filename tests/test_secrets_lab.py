@@ -17,7 +17,7 @@ from secrets import token_hex
 from uuid import UUID
 
 import pytest
-from lab_flows import nothing_runs, recipe_variant, settled_task_runs
+from lab_flows import LAB_SINGLE_RECIPE, nothing_runs, recipe_variant, settled_task_runs
 from prefect.settings import (
     PREFECT_LOCAL_STORAGE_PATH,
     PREFECT_RESULTS_PERSIST_BY_DEFAULT,
@@ -31,7 +31,6 @@ from flows.smoke import smoke
 from flows.teardown import teardown
 from lab.cluster import Lab
 from lab.models import publish_lab_models
-from lab.prefect_local import PROJECT_ROOT
 from sparkdeploy.cli import app
 from sparkdeploy.remote import engine_http
 from sparkdeploy.remote.ssh import cached_connection, close_cached
@@ -41,7 +40,6 @@ from sparkdeploy.spec.project import load_plan
 
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("prefect_harness")]
 
-SINGLE = PROJECT_ROOT / "recipes" / "lab-single" / "recipe.toml"
 RECIPE = "lab-secret"
 
 
@@ -106,7 +104,7 @@ def test_a_protected_recipe_deploys_and_its_secrets_appear_nowhere(
     recipe_variant(
         root / "recipes",
         RECIPE,
-        SINGLE,
+        LAB_SINGLE_RECIPE,
         (
             "args = [\n",
             f'args = [\n    "--api-key", "{api_key}",\n    "--hf-token", "{hf_token}",\n',
@@ -159,7 +157,8 @@ def test_a_protected_recipe_deploys_and_its_secrets_appear_nowhere(
     shown = CliRunner()
     for options in ([], ["--json"]):
         result = shown.invoke(app, ["plan", RECIPE, "--cluster", cluster, *options])
-        assert result.exit_code == 0 and "***" in result.output
+        assert result.exit_code == 0
+        assert "***" in result.output
         places[f"sparkdeploy plan {' '.join(options)}"] = result.output
     saved = [path for path in Path(plan.runs_dir).rglob("*") if path.is_file()]
     assert any(plan.deployment_id in str(path) for path in saved)

@@ -59,12 +59,14 @@ def test_repeated_ngram_ratio_is_zero_for_fresh_and_high_for_loops() -> None:
 )
 def test_token_loops_are_found(text: str) -> None:
     finding = detect_repetition(text)
-    assert finding is not None and "loop" in finding
+    assert finding is not None
+    assert "loop" in finding
 
 
 def test_loop_evidence_quotes_the_repeated_phrase() -> None:
     finding = detect_repetition("The answer" + " of the" * 100)
-    assert finding is not None and "'of the of the'" in finding
+    assert finding is not None
+    assert "'of the of the'" in finding
 
 
 @pytest.mark.parametrize(
@@ -94,7 +96,8 @@ def test_loop_evidence_quotes_the_repeated_phrase() -> None:
 )
 def test_garbled_texts_are_found(text: str, kind: str) -> None:
     finding = detect_garbled(text)
-    assert finding is not None and kind in finding
+    assert finding is not None
+    assert kind in finding
 
 
 @pytest.mark.parametrize(

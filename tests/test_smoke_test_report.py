@@ -18,7 +18,8 @@ def test_one_failed_check_fails_the_report_and_names_it() -> None:
             SmokeCheck("burst", False, "request 3 of 8 went bad", {"requests": 8.0, "good": 2.0}),
         ],
     )
-    assert not report.passed and [check.name for check in report.failed] == ["burst"]
+    assert not report.passed
+    assert [check.name for check in report.failed] == ["burst"]
     assert report.table_rows()[1] == {
         "check": "burst",
         "result": "FAIL",

@@ -40,7 +40,8 @@ def test_argv_reaches_the_node_verbatim_and_no_shell_sees_it(node1: Connection) 
 def test_small_packets_go_out_at_once(node1: Connection) -> None:
     """Nagle off: with it on, every command round trip waited out the node's delayed ACK."""
     transport = node1._client.get_transport()
-    assert transport is not None and isinstance(transport.sock, socket.socket)
+    assert transport is not None
+    assert isinstance(transport.sock, socket.socket)
     assert transport.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
 
 
@@ -49,7 +50,9 @@ def test_non_zero_exit_raises_with_node_command_and_stderr(node1: Connection) ->
     with pytest.raises(RemoteError) as raised:
         node1.run(argv, timeout=TIMEOUT_S)
     message = str(raised.value)
-    assert node1.target.host in message and "exited 3" in message and "disk on fire" in message
+    assert node1.target.host in message
+    assert "exited 3" in message
+    assert "disk on fire" in message
     assert not isinstance(raised.value, TransientRemoteError)
     unchecked = node1.run(argv, timeout=TIMEOUT_S, check=False)
     assert (unchecked.exit_code, unchecked.stderr) == (3, b"disk on fire\n")
@@ -131,7 +134,8 @@ def test_the_cache_reuses_a_live_connection_and_replaces_a_closed_one(lab_cluste
     assert cached_connection(target) is first
     first.close()
     second = cached_connection(target)
-    assert second is not first and second.run(["true"], timeout=TIMEOUT_S).exit_code == 0
+    assert second is not first
+    assert second.run(["true"], timeout=TIMEOUT_S).exit_code == 0
     close_cached()
     assert not second.is_active
 
@@ -188,7 +192,8 @@ def test_a_connection_lost_mid_command_fails_fast_as_transient_and_the_retry_rec
     os.kill(command_pid, signal.SIGKILL)
     [failure] = failures
     assert isinstance(failure, TransientRemoteError), failure
-    assert "connection was lost" in str(failure) and "sleep 30" in str(failure)
+    assert "connection was lost" in str(failure)
+    assert "sleep 30" in str(failure)
     assert str(target) in str(failure)
     assert failed_after < 3, f"the loss was noticed after {failed_after:.1f} s"
     retried = cached_connection(target)

@@ -12,19 +12,19 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hfcache_layout import cache_repo, commit_of
-from local_node import LocalPython, LocalStream
 
 from lab.cluster import Lab
+from lab.testing.hfcache_layout import cache_repo, commit_of
+from lab.testing.local_node import LocalNode
 from lab.tinymodel import EngramSpec, generate_repo
 from sparkdeploy.errors import StagingError
 from sparkdeploy.node.engram import read_safetensors_header
-from sparkdeploy.node.stage_engram import StagingResult
+from sparkdeploy.node.engram_copy import StagingResult
 from sparkdeploy.remote import ssh
 from sparkdeploy.spec.plan import ComposedPlan, EngramStage
 from sparkdeploy.spec.recipe import RepoRef
@@ -80,12 +80,14 @@ def stage(
     *,
     stop_after_chunks: int | None = None,
     on_progress: Callable[[str, str, int, int, str], None] | None = None,
+    composed_root: Path | None = None,
 ) -> StagingResult:
     (result,) = staging.stage_on_node(
-        LocalPython(),
+        LocalNode(),
         "node-test",
         nas_hf_cache=str(nas.hf_cache),
         stages=[engram_stage(REPO, nas.filename, dest, ranks)],
+        composed_root=None if composed_root is None else str(composed_root),
         chunk_bytes=CHUNK,
         sync_bytes=SYNC,
         stop_after_chunks=stop_after_chunks,
@@ -114,7 +116,8 @@ def test_each_rank_gets_header_and_its_rows_at_their_offsets(nas: Nas, tmp_path:
         dest = tmp_path / f"node{rank}" / nas.filename
         result = stage(nas, dest, [rank])
         assert result.status == "copied"
-        assert result.ranges[0][0] == 0 and result.ranges[0][1] >= 8 + header_len
+        assert result.ranges[0][0] == 0
+        assert result.ranges[0][1] >= 8 + header_len
         assert_sparse_copy_of(source, dest, result.ranges)
         assert result.copied_bytes == result.share_bytes + result.header_bytes
         # Holes everywhere else: at most one partial block at each end of each range.
@@ -122,7 +125,8 @@ def test_each_rank_gets_header_and_its_rows_at_their_offsets(nas: Nas, tmp_path:
         assert result.allocated_bytes <= result.share_bytes + result.header_bytes + blocks
         assert result.holes_checked
         manifest = json.loads(Path(f"{dest}.manifest.json").read_text())
-        assert manifest["ranks"] == [rank] and manifest["tp_size"] == TP
+        assert manifest["ranks"] == [rank]
+        assert manifest["tp_size"] == TP
         assert manifest["source"]["commit"] == commit_of(REPO, "1")
         assert manifest["range_sha256"] == list(result.range_sha256)
         assert {row["layer_id"] for row in manifest["rows"]} == {1}
@@ -264,20 +268,10 @@ def test_progress_arrives_while_the_copy_runs(nas: Nas, tmp_path: Path) -> None:
         seen.append((node, dest_path, done, total, Path(f"{dest}.partial").exists()))
 
     stage(nas, dest, [0], on_progress=on_progress)
-    assert seen and all(partial for *_, partial in seen)
+    assert seen
+    assert all(partial for *_, partial in seen)
     assert seen[-1][:2] == ("node-test", str(dest))
     assert seen[-1][2] == seen[-1][3] > 0
-
-
-class CountingRunner(LocalPython):
-    def __init__(self) -> None:
-        self.launches = 0
-
-    def stream_lines(
-        self, argv: Sequence[str], *, timeout: float, idle_timeout: float | None = None
-    ) -> LocalStream:
-        self.launches += 1
-        return super().stream_lines(argv, timeout=timeout, idle_timeout=idle_timeout)
 
 
 def node_shards(nas: Nas, root: Path, rank: int) -> list[EngramStage]:
@@ -285,7 +279,7 @@ def node_shards(nas: Nas, root: Path, rank: int) -> list[EngramStage]:
 
 
 def test_all_shards_of_a_node_in_one_launch(nas: Nas, tmp_path: Path) -> None:
-    runner = CountingRunner()
+    runner = LocalNode()
     shards = node_shards(nas, tmp_path / "node", 2)
     assert len(shards) == 2
     results = staging.stage_on_node(
@@ -299,7 +293,7 @@ def test_all_shards_of_a_node_in_one_launch(nas: Nas, tmp_path: Path) -> None:
         runner, "node-test", nas_hf_cache=str(nas.hf_cache), stages=shards
     )
     assert [result.status for result in again] == ["skipped", "skipped"]
-    assert runner.launches == 2
+    assert len(runner.streamed) == 2
 
 
 def test_every_shard_is_checked_before_any_is_copied(nas: Nas, tmp_path: Path) -> None:
@@ -307,7 +301,7 @@ def test_every_shard_is_checked_before_any_is_copied(nas: Nas, tmp_path: Path) -
     (nas.snapshot / shards[1].filename).unlink()
     with pytest.raises(StagingError, match=r"\[missing_source\]") as raised:
         staging.stage_on_node(
-            LocalPython(), "node-test", nas_hf_cache=str(nas.hf_cache), stages=shards
+            LocalNode(), "node-test", nas_hf_cache=str(nas.hf_cache), stages=shards
         )
     assert shards[1].dest in str(raised.value)
     assert shards[0].dest not in str(raised.value)
@@ -327,7 +321,7 @@ def test_free_space_is_checked_for_all_copies_together(nas: Nas, tmp_path: Path)
     try:
         with pytest.raises(StagingError, match=r"\[no_space\].* and .* needs"):
             staging.stage_on_node(
-                LocalPython(),
+                LocalNode(),
                 "node-test",
                 nas_hf_cache=str(nas.hf_cache),
                 stages=node_shards(nas, small, 0),
@@ -378,16 +372,14 @@ def test_lab_nodes_stage_their_ranks_over_ssh_and_compose(lab_cluster: Lab) -> N
                     ]
                     assert stage_over_ssh().status == "skipped"
                     local_files.append(result.dest)
+                composed_plan = ComposedPlan(
+                    root=composed_root,
+                    sources=[RepoRef(repo=repo_id)],
+                    local_files=local_files,
+                    mount="/models",
+                )
                 composed = compose.compose_on_node(
-                    connection,
-                    node,
-                    nas_hf_cache=str(hf_cache),
-                    composed=ComposedPlan(
-                        root=composed_root,
-                        sources=[RepoRef(repo=repo_id)],
-                        local_files=local_files,
-                        mount="/models",
-                    ),
+                    connection, node, nas_hf_cache=str(hf_cache), composed=composed_plan
                 )
                 assert composed.status == "built"
                 for local, entry in composed.hardlinks:
@@ -395,15 +387,7 @@ def test_lab_nodes_stage_their_ranks_over_ssh_and_compose(lab_cluster: Lab) -> N
                     first, second = inodes.stdout.split()
                     assert first == second
                 again = compose.compose_on_node(
-                    connection,
-                    node,
-                    nas_hf_cache=str(hf_cache),
-                    composed=ComposedPlan(
-                        root=composed_root,
-                        sources=[RepoRef(repo=repo_id)],
-                        local_files=local_files,
-                        mount="/models",
-                    ),
+                    connection, node, nas_hf_cache=str(hf_cache), composed=composed_plan
                 )
                 assert again.status == "unchanged"
     finally:

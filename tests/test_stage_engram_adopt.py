@@ -10,15 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from local_node import LocalPython
 from test_stage_engram import (
     CHUNK,
     REPO,
-    SYNC,
     TP,
     Nas,
     assert_sparse_copy_of,
@@ -27,6 +24,8 @@ from test_stage_engram import (
     stage,
 )
 
+from lab.testing.local_node import LocalNode
+from lab.testing.page_cache import resident_bytes
 from sparkdeploy.errors import StagingError
 from sparkdeploy.node.engram import (
     HEADER_LENGTH_BYTES,
@@ -35,7 +34,6 @@ from sparkdeploy.node.engram import (
     rank_byte_ranges,
     read_safetensors_header,
 )
-from sparkdeploy.node.stage_engram import StagingResult
 from sparkdeploy.steps import stage_engram as staging
 
 
@@ -88,21 +86,6 @@ def snapshot_of(path: Path) -> tuple[bytes, int, int, int]:
     return path.read_bytes(), stat.st_ino, stat.st_mtime_ns, stat.st_nlink
 
 
-def stage_with_composed_root(
-    nas: Nas, dest: Path, ranks: list[int], composed_root: Path
-) -> StagingResult:
-    (result,) = staging.stage_on_node(
-        LocalPython(),
-        "node-test",
-        nas_hf_cache=str(nas.hf_cache),
-        stages=[engram_stage(REPO, nas.filename, dest, ranks)],
-        composed_root=str(composed_root),
-        chunk_bytes=CHUNK,
-        sync_bytes=SYNC,
-    )
-    return result
-
-
 def test_hand_made_sparse_copy_with_another_link_is_adopted_in_place(
     nas: Nas, tmp_path: Path
 ) -> None:
@@ -118,7 +101,7 @@ def test_hand_made_sparse_copy_with_another_link_is_adopted_in_place(
         phases.append(phase)
 
     (result,) = staging.stage_on_node(
-        LocalPython(),
+        LocalNode(),
         "node-test",
         nas_hf_cache=str(nas.hf_cache),
         stages=[engram_stage(REPO, nas.filename, dest, [1])],
@@ -127,8 +110,10 @@ def test_hand_made_sparse_copy_with_another_link_is_adopted_in_place(
     )
     assert result.status == "adopted"
     assert result.copied_bytes == 0
-    assert result.holes_checked and result.note is None
-    assert phases and set(phases) == {"compare"}
+    assert result.holes_checked
+    assert result.note is None
+    assert phases
+    assert set(phases) == {"compare"}
     # The file itself untouched: same bytes, inode, mtime; the other lane still links it.
     assert snapshot_of(dest) == before
     assert other_lane.stat().st_ino == before[1]
@@ -209,7 +194,8 @@ def test_fully_materialised_correct_copy_is_adopted_with_a_note(nas: Nas, tmp_pa
     assert result.status == "adopted"
     assert result.copied_bytes == 0
     assert not result.holes_checked
-    assert result.note is not None and "fully materialised" in result.note
+    assert result.note is not None
+    assert "fully materialised" in result.note
     assert result.allocated_bytes >= result.size
     assert snapshot_of(dest) == before
     manifest = json.loads(Path(f"{dest}.manifest.json").read_text())
@@ -230,15 +216,10 @@ def test_adoption_leaves_neither_file_in_the_page_cache(nas: Nas, tmp_path: Path
             os.fsync(fd)
         finally:
             os.close(fd)
-    assert resident_bytes(source) > 0 and resident_bytes(dest) > 0
+    assert resident_bytes(source) > 0
+    assert resident_bytes(dest) > 0
     assert stage(nas, dest, [1]).status == "adopted"
     assert (resident_bytes(source), resident_bytes(dest)) == (0, 0)
-
-
-def resident_bytes(path: Path) -> int:
-    """Bytes of `path` in the page cache (util-linux fincore)."""
-    argv = ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)]
-    return int(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout)
 
 
 def test_links_in_this_deployments_composed_dir_do_not_block_a_new_copy(
@@ -252,7 +233,7 @@ def test_links_in_this_deployments_composed_dir_do_not_block_a_new_copy(
     ours.parent.mkdir(parents=True)
     stage(nas, dest, [0])
     os.link(dest, ours)
-    result = stage_with_composed_root(nas, dest, [2], composed / "dep-ours")
+    result = stage(nas, dest, [2], composed_root=composed / "dep-ours")
     assert result.status == "copied"
     assert_sparse_copy_of(nas.snapshot / nas.filename, dest, result.ranges)
 
@@ -262,7 +243,7 @@ def test_links_in_this_deployments_composed_dir_do_not_block_a_new_copy(
     ours.unlink()
     os.link(dest, ours)
     with pytest.raises(StagingError, match=r"\[linked_mismatch\]") as raised:
-        stage_with_composed_root(nas, dest, [1], composed / "dep-ours")
+        stage(nas, dest, [1], composed_root=composed / "dep-ours")
     message = str(raised.value)
     assert "has 3 hard links" in message
     assert str(theirs) in message

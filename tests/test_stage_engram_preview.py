@@ -8,11 +8,11 @@ import os
 from pathlib import Path
 
 import pytest
-from local_node import LocalPython
 from test_stage_engram import REPO, Nas, engram_stage, make_nas, stage
 from test_stage_engram_adopt import hand_made_copy
 
-from sparkdeploy.steps.preview.nodes import engram_dry_run
+from lab.testing.local_node import LocalNode
+from sparkdeploy.steps.preview.staging import engram_dry_run
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def dry_run(nas: Nas, dest: Path, ranks: list[int]) -> dict[str, object]:
         path.mkdir(parents=True, exist_ok=True)
     before = [_tree(path) for path in watched]
     [shard] = engram_dry_run(
-        LocalPython(),
+        LocalNode(),
         "node-test",
         nas_hf_cache=str(nas.hf_cache),
         stages=[engram_stage(REPO, nas.filename, dest, ranks)],
@@ -92,16 +92,18 @@ def test_another_ranks_hand_made_copy_is_a_refusal(nas: Nas, tmp_path: Path) -> 
     hand_made_copy(nas, dest, [2])
     found = dry_run(nas, dest, [1])
     assert found["action"] == "refuse"
-    assert "[wrong_rank]" in str(found["why"]) and "rank 2" in str(found["why"])
+    assert "[wrong_rank]" in str(found["why"])
+    assert "rank 2" in str(found["why"])
 
 
 def test_a_missing_source_is_a_refusal_not_a_failed_preview(nas: Nas, tmp_path: Path) -> None:
     dest = tmp_path / "local" / "nope.safetensors"
     [shard] = engram_dry_run(
-        LocalPython(),
+        LocalNode(),
         "node-test",
         nas_hf_cache=str(nas.hf_cache),
         stages=[engram_stage(REPO, "nope.safetensors", dest, [1])],
         composed_root=None,
     )
-    assert shard["action"] == "refuse" and "[missing_source]" in str(shard["why"])
+    assert shard["action"] == "refuse"
+    assert "[missing_source]" in str(shard["why"])

@@ -1,7 +1,7 @@
 """Plain local files: put whole on a node from the NAS snapshot or the ops host, verified by
 sha256, adopted when equal, never rewritten under other hard links.
 
-The node script runs in a stdlib-only python3 (tests/local_node.py), as over SSH.
+The node script runs in a stdlib-only python3 (lab/testing/local_node.py), as over SSH.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 from lab_flows import nothing_runs, recipe_variant
-from local_node import LocalPython
 
 from flows.deploy import deploy
 from flows.teardown import teardown
+from lab.testing.hfcache_layout import cache_files
+from lab.testing.local_node import LocalNode
 from sparkdeploy.errors import StagingError
 from sparkdeploy.remote import ssh
-from sparkdeploy.remote.ssh import CommandResult
 from sparkdeploy.remote.targets import node_target
 from sparkdeploy.spec.plan import PlainStage, Plan
 from sparkdeploy.spec.project import load_plan
@@ -35,16 +35,7 @@ GENERATION_CONFIG = b'{"temperature": 0.6, "top_p": 0.95}\n'
 
 def fake_nas(root: Path, files: dict[str, bytes]) -> Path:
     """An HF cache holding REPO@main: each file a symlink into blobs/, as the NAS holds it."""
-    base = root / "hf-cache" / ("models--" + REPO.replace("/", "--"))
-    (base / "refs").mkdir(parents=True)
-    (base / "refs" / "main").write_text(COMMIT)
-    snapshot = base / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    (base / "blobs").mkdir()
-    for name, data in files.items():
-        blob = base / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    cache_files(root / "hf-cache", REPO, COMMIT, files)
     return root / "hf-cache"
 
 
@@ -68,30 +59,19 @@ def ops_stage(dest: Path, ops_file: Path, data: bytes | None = None) -> PlainSta
     )
 
 
-class CountingPython(LocalPython):
-    def __init__(self) -> None:
-        self.stdin_sizes: list[int] = []
-
-    def run_python(
-        self,
-        source: str,
-        args: Sequence[str],
-        *,
-        timeout: float,
-        stdin: bytes | None = None,
-        check: bool = True,
-    ) -> CommandResult:
-        self.stdin_sizes.append(len(stdin or b""))
-        return super().run_python(source, args, timeout=timeout, stdin=stdin, check=check)
-
-
 def stage(
-    hf_cache: Path, stages: Sequence[PlainStage], runner: LocalPython | None = None, **kw: str
+    hf_cache: Path, stages: Sequence[PlainStage], runner: LocalNode | None = None, **kw: str
 ) -> list[str]:
     results = staging.stage_plain_on_node(
-        runner or LocalPython(), "node-test", nas_hf_cache=str(hf_cache), stages=stages, **kw
+        runner or LocalNode(), "node-test", nas_hf_cache=str(hf_cache), stages=stages, **kw
     )
     return [result.status for result in results]
+
+
+def sent_after_the_script(runner: LocalNode) -> list[bytes]:
+    """What each node script got on its stdin after its own source."""
+    script = staging.node_script().encode()
+    return [ran.stdin.removeprefix(script) for ran in runner.ran]
 
 
 def manifest(dest: Path) -> dict[str, object]:
@@ -119,12 +99,12 @@ def test_ops_host_bytes_are_sent_only_when_the_node_needs_them(tmp_path: Path) -
     template.parent.mkdir()
     template.write_bytes(b"{{ messages }}\n")
     dest = tmp_path / "node" / "chat_template.jinja"
-    runner = CountingPython()
+    runner = LocalNode()
     assert stage(hf_cache, [ops_stage(dest, template)], runner) == ["copied"]
-    assert runner.stdin_sizes == [0, len(b"{{ messages }}\n")]
+    assert sent_after_the_script(runner) == [b"", b"{{ messages }}\n"]
     assert dest.read_bytes() == b"{{ messages }}\n"
     assert stage(hf_cache, [ops_stage(dest, template)], runner) == ["skipped"]
-    assert runner.stdin_sizes[2:] == [0]
+    assert sent_after_the_script(runner)[2:] == [b""]
 
 
 def test_an_equal_file_with_two_links_is_adopted_untouched(tmp_path: Path) -> None:
@@ -154,8 +134,10 @@ def test_a_mismatching_file_with_other_links_is_refused_and_left_alone(tmp_path:
     with pytest.raises(StagingError, match=r"\[linked_mismatch\]") as refused:
         stage(hf_cache, [nas_stage(dest)])
     message = str(refused.value)
-    assert "node node-test" in message and str(dest) in message
-    assert "has 2 hard links" in message and "remove or rename" in message
+    assert "node node-test" in message
+    assert str(dest) in message
+    assert "has 2 hard links" in message
+    assert "remove or rename" in message
     assert dest.read_bytes() == b'{"temperature": 1.0}\n'
     assert not Path(f"{dest}.manifest.json").exists()
 
@@ -196,7 +178,8 @@ def test_bytes_that_do_not_hash_to_the_plans_sha256_are_never_put_in_place(
     planned = ops_stage(dest, template, data=edited.upper())
     with pytest.raises(StagingError, match=r"\[verify_failed\].*changed since the plan"):
         stage(hf_cache, [planned])
-    assert not dest.exists() and not Path(f"{dest}.partial").exists()
+    assert not dest.exists()
+    assert not Path(f"{dest}.partial").exists()
 
 
 def test_a_file_missing_from_the_nas_snapshot_names_it_and_the_fix(tmp_path: Path) -> None:

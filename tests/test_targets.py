@@ -12,7 +12,7 @@ from sparkdeploy.remote.ssh import SshTarget
 from sparkdeploy.remote.targets import cluster_targets, node_target, plan_targets
 from sparkdeploy.spec.cluster import Cluster, load_cluster
 from sparkdeploy.spec.plan import Plan, make_plan
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 
 ROOT = Path(__file__).parent.parent
 PAIR = ROOT / "recipes" / "lab-pair" / "recipe.toml"
@@ -115,7 +115,8 @@ def test_relative_key_and_known_hosts_paths_are_resolved_beside_the_inventory(
     alpha = cluster_targets(cluster)["alpha"]
     assert Path(alpha.identity_file) == tmp_path / "inventory" / "ssh" / "cluster_key"
     assert Path(alpha.known_hosts) == tmp_path / "inventory" / "ssh" / "known_hosts"
-    assert Path(alpha.known_hosts).is_absolute() and Path(alpha.identity_file).is_absolute()
+    assert Path(alpha.known_hosts).is_absolute()
+    assert Path(alpha.identity_file).is_absolute()
 
 
 def test_a_plans_targets_are_its_nodes_in_rank_order(cluster: Cluster, tmp_path: Path) -> None:

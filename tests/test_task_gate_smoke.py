@@ -71,7 +71,9 @@ async def _artifact_rows(key: str) -> list[dict[str, str]]:
         )
     assert len(artifacts) == 1, f"expected one artifact {key!r}, got {len(artifacts)}"
     data: Any = artifacts[0].data
-    return json.loads(data) if isinstance(data, str) else data
+    rows = json.loads(data) if isinstance(data, str) else data
+    assert isinstance(rows, list), rows
+    return rows
 
 
 def artifact_rows(key: str) -> list[dict[str, str]]:
@@ -101,7 +103,8 @@ def test_a_good_boot_writes_its_timeline_and_passes_the_smoke_test(
 ) -> None:
     plan = deploy(lab_cluster, tmp_path, deployments, nodes=2)
     result, report = gate_then_smoke(plan)
-    assert report.passed and {"tool_call", "reasoning"} <= {c.name for c in report.checks}
+    assert report.passed
+    assert {"tool_call", "reasoning"} <= {c.name for c in report.checks}
     timeline = artifact_rows(artifact_key("readiness-gate", plan.deployment_id))
     assert [row["marker"] for row in timeline] == [entry.marker for entry in result.timeline]
     by_marker = {row["marker"]: row for row in timeline}
@@ -128,7 +131,8 @@ def test_a_failed_boot_still_has_its_timeline_and_is_not_retried(
     assert (caught.value.node, caught.value.kind) == (worker, "distributed_connect_timeout")
     timeline = artifact_rows(artifact_key("readiness-gate", plan.deployment_id))
     assert timeline[-1]["marker"] == "FAILED: distributed_connect_timeout"
-    assert timeline[-1]["node"] == worker and "trying to connect to" in timeline[-1]["line"]
+    assert timeline[-1]["node"] == worker
+    assert "trying to connect to" in timeline[-1]["line"]
     assert readiness_gate.retries == 0
 
 

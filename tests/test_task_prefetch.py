@@ -11,7 +11,7 @@ from typing import Any
 from uuid import UUID
 
 import pytest
-from prefect import flow
+from prefect import State, flow
 from prefect.blocks.system import Secret
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -22,9 +22,8 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import Artifact, Log
 from prefect.logging.handlers import APILogHandler
-from prefect.states import State
 
-from lab.hub import HubServer
+from lab.hub.server import HubServer
 from lab.tinymodel import generate_repo
 from sparkdeploy.errors import PrefetchError
 from sparkdeploy.steps.prefetch import RepoOutcome, RepoSpec
@@ -45,14 +44,8 @@ def hub(tmp_path: Path) -> Iterator[HubServer]:
         yield server
 
 
-@pytest.fixture
-def nas(tmp_path: Path) -> Path:
-    path = tmp_path / "nas"
-    path.mkdir()
-    return path
-
-
 pytestmark = pytest.mark.usefixtures("prefect_harness")
+pytest_plugins = ["prefetch_fixtures"]
 
 
 @flow(on_completion=[artifacts_written], on_failure=[artifacts_written])
@@ -108,7 +101,8 @@ def test_cold_then_warm_with_artifacts(hub: HubServer, nas: Path) -> None:
 
     hub.reset_stats()
     [warm], logs = run_flow([RepoSpec(TINY)], nas, hub)
-    assert warm.fetched_bytes == 0 and hub.bytes_served == 0
+    assert warm.fetched_bytes == 0
+    assert hub.bytes_served == 0
     assert {row["status"] for row in table_rows()} == {"cached"}
     assert "complete in the NAS cache" in logs
 
@@ -138,7 +132,8 @@ def test_token_comes_from_the_secret_block_and_is_never_recorded(hub: HubServer,
     assert TOKEN not in logs
     for key in (FILES_ARTIFACT_KEY, PROGRESS_ARTIFACT_KEY):
         for artifact in asyncio.run(_artifacts(key)):
-            assert TOKEN not in str(artifact.data) and TOKEN not in str(artifact.description)
+            assert TOKEN not in str(artifact.data)
+            assert TOKEN not in str(artifact.description)
 
 
 async def _delete_secret() -> None:

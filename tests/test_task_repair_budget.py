@@ -12,7 +12,7 @@ from prefect.client.orchestration import get_client
 from sparkdeploy.errors import RepairLimitReached
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import Plan, make_plan
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.steps.repair_budget import REPAIR_NOT_NEEDED_TAG, REPAIR_TAG
 from tasks.repair_budget import refund_repair, start_repair
 from tasks.runlabels import label_flow_run
@@ -52,7 +52,8 @@ def repair_tags(plan: Plan, *, found_redeployed: bool) -> set[str]:
 
 def test_a_repair_that_did_nothing_does_not_count_against_the_bound(plan: Plan) -> None:
     refunded = repair_tags(plan, found_redeployed=True)
-    assert REPAIR_NOT_NEEDED_TAG in refunded and REPAIR_TAG not in refunded
+    assert REPAIR_NOT_NEEDED_TAG in refunded
+    assert REPAIR_TAG not in refunded
     for _ in range(2):
         assert REPAIR_TAG in repair_tags(plan, found_redeployed=False)
     with pytest.raises(RepairLimitReached, match=r"repaired 2 time\(s\) in the past hour"):

@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING
 from uuid import UUID
 
 import pytest
-from lab_flows import answers_the_canary, lab_unavailable_reason, nothing_runs, task_history
+from lab_flows import answers_the_canary, lab_brought_up, nothing_runs, task_history
 
-from lab.cluster import Lab
 from lab.image import build_engine_image
 from lab.models import publish_lab_models
 from lab.prefect_local import deployment_run, register_deployments, register_flow, run_prefect
@@ -46,29 +45,23 @@ SCHEDULE_INTERVAL_S = 15
 
 @pytest.fixture(scope="module")
 def team() -> Iterator[TeamControlPlane]:
-    reason = lab_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    lab = Lab(TEAM_LAB, 8, ops_hosts=2)
-    lab.up()
-    plane = TeamControlPlane(lab, lab.layout.state_dir / "prefect-team")
-    try:
-        build_engine_image(lab)
-        publish_lab_models(lab.hub_repos_dir)
-        plane.start()
-        register_deployments(plane.env())
-        for ops_host in lab.ops_hosts:
-            # Three runs each at most: four deploys and the two schedules' runs at once are
-            # shared between the hosts.
-            plane.start_worker(ops_host, limit=3)
-        with temporary_settings({PREFECT_API_URL: plane.api_url}):
-            yield plane
-    finally:
-        plane.stop()
-        lab.down()
-    assert not lab.remains()
+    with lab_brought_up(TEAM_LAB, 8, ops_hosts=2) as lab:
+        plane = TeamControlPlane(lab, lab.layout.state_dir / "prefect-team")
+        try:
+            build_engine_image(lab)
+            publish_lab_models(lab.hub_repos_dir)
+            plane.start()
+            register_deployments(plane.env())
+            for ops_host in lab.ops_hosts:
+                # Three runs each at most: four deploys and the two schedules' runs at once are
+                # shared between the hosts.
+                plane.start_worker(ops_host, limit=3)
+            with temporary_settings({PREFECT_API_URL: plane.api_url}):
+                yield plane
+        finally:
+            plane.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -345,7 +338,8 @@ def test_two_deploys_racing_for_a_node_run_one_after_the_other(team: TeamControl
     tear_down(team, [winner_nodes])
     all_completed([waiter])
     [running] = cluster_status(load_cluster(Path(inventory(team))))
-    assert running.nodes == waiter_nodes and running.healthy
+    assert running.nodes == waiter_nodes
+    assert running.healthy
     tear_down(team, [waiter_nodes])
     nothing_runs(inventory(team))
 
@@ -378,7 +372,8 @@ def test_a_deployment_concurrency_limit_queues_the_second_run(team: TeamControlP
         flow_runs(runs),
         key=lambda run: run.start_time.timestamp() if run.start_time else float("inf"),
     )
-    assert first.end_time is not None and second.start_time is not None
+    assert first.end_time is not None
+    assert second.start_time is not None
     assert first.end_time <= second.start_time
     tear_down(team, node_sets)
     nothing_runs(inventory(team))
@@ -408,7 +403,8 @@ def test_a_deploy_whose_worker_died_is_crashed_and_its_nodes_taken_over(
     deployment_id = load_plan(RECIPE, inventory(team), nodes).deployment_id
     assert f"deployment {deployment_id} goes on holding it" in run_logs(again), run_logs(again)
     [running] = cluster_status(load_cluster(Path(inventory(team))))
-    assert running.nodes == nodes and running.healthy
+    assert running.nodes == nodes
+    assert running.healthy
     tear_down(team, [nodes])
     nothing_runs(inventory(team))
 
@@ -427,6 +423,7 @@ def test_an_api_server_killed_mid_deploy_leaves_the_deploy_to_the_other(
     history = task_history(run, settled=True)
     assert [t for t in history if t.startswith("smoke-test ") and t.endswith(": Completed")]
     [running] = cluster_status(load_cluster(Path(inventory(team))))
-    assert running.nodes == nodes and running.healthy
+    assert running.nodes == nodes
+    assert running.healthy
     tear_down(team, [nodes])
     nothing_runs(inventory(team))

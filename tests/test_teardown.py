@@ -47,7 +47,8 @@ def test_an_unwritable_runs_dir_is_named(tmp_path: Path) -> None:
     blocker.write_text("a file where the runs dir should be")
     with pytest.raises(TeardownError, match="runs_dir is mounted") as caught:
         _keep_log(str(blocker), "dep", "node1", "log\n")
-    assert "node1" in str(caught.value) and str(blocker) in str(caught.value)
+    assert "node1" in str(caught.value)
+    assert str(blocker) in str(caught.value)
 
 
 def _container(deployment_id: str, node: str, spec: str = "s1") -> ContainerInfo:
@@ -108,7 +109,8 @@ def test_a_changed_or_unplannable_recipe_is_torn_down_by_what_runs_of_it() -> No
     )
     assert on_node3.deployment_ids == ["lab-x-0000000c"]
     nothing = recipe_teardown("lab-x", "lab", [], plan_id=None, unplanned="no recipe")
-    assert nothing.deployment_ids == [] and "nothing to tear down" in nothing.notes[0]
+    assert nothing.deployment_ids == []
+    assert "nothing to tear down" in nothing.notes[0]
     # Which of several the changed recipe meant is not known: refused, naming them.
     with pytest.raises(TeardownError, match="lab-x-0000000a on node1; lab-x-0000000c on node3"):
         recipe_teardown("lab-x", "lab", [old, other], plan_id="lab-x-0000000b")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.hub import index_repo
+from lab.hub.index import index_repo
 from lab.tinymodel import (
     BLOCK_BYTES,
     EngramSpec,

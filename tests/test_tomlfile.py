@@ -4,7 +4,8 @@ import pydantic
 import pytest
 
 from sparkdeploy.errors import RecipeError
-from sparkdeploy.spec.tomlfile import format_key, load_toml, validate_document
+from sparkdeploy.spec.toml_validation import validate_document
+from sparkdeploy.spec.tomlfile import format_key, load_toml
 
 FIXTURES = Path(__file__).parent / "fixtures" / "bad"
 

@@ -16,13 +16,8 @@ import pytest
 import test_engine_standin as standin
 from test_engine_standin import Engine, Engines, free_port, node_flags
 
-from sparkdeploy.steps.readiness_gate import (
-    BootWatch,
-    ContainerExited,
-    Failure,
-    LogLine,
-    classify_log,
-)
+from sparkdeploy.steps.readiness_gate.watch import BootWatch, ContainerExited
+from sparkdeploy.vllm.log_lines import Failure, LogLine, classify_log
 from sparkdeploy.vllm.markers import (
     DEFAULT_BOOT_MARKERS,
     DEFAULT_RECORDED_MARKERS,
@@ -94,7 +89,8 @@ def test_single_node_boot_completes_with_its_figures() -> None:
         "application_ready",
     ]
     # the GPU-only lines are not printed on CPU, and not awaited
-    assert "model_loaded" not in markers and "kv_cache_memory" not in markers
+    assert "model_loaded" not in markers
+    assert "kv_cache_memory" not in markers
 
 
 @pytest.mark.parametrize(
@@ -130,7 +126,8 @@ def test_two_node_boot_completes_when_the_worker_has_joined(
     figures = watch.head_figures
     assert figures["weights_load_s"] in (0.02, 0.03)
     assert figures["kv_cache_tokens"] == (kv_tokens or figures["kv_cache_tokens"])
-    assert figures["kv_cache_tokens"] > 0 and figures["init_engine_s"] > 0
+    assert figures["kv_cache_tokens"] > 0
+    assert figures["init_engine_s"] > 0
     if init_s is not None:
         assert figures["init_engine_s"] == init_s
 
@@ -141,7 +138,8 @@ def test_a_worker_that_never_joined_is_still_awaited_after_launching() -> None:
     assert feed(watch, WORKER, until(lines_of("mn2-worker.log"), "backend=gloo")) is None
     assert watch.unjoined_workers() == [WORKER]
     awaited = watch.awaited()
-    assert awaited is not None and awaited[0] == HEAD  # the head waits silently at gloo
+    assert awaited is not None
+    assert awaited[0] == HEAD
 
 
 @pytest.mark.parametrize(
@@ -174,18 +172,22 @@ def test_each_start_up_failure_is_named_with_its_evidence(
 ) -> None:
     watch = BootWatch(head=HEAD, workers=[], started_at=0.0)
     failure = feed(watch, HEAD, lines_of(log))
-    assert failure is not None and (failure.node, failure.kind) == (HEAD, kind)
+    assert failure is not None
+    assert (failure.node, failure.kind) == (HEAD, kind)
     assert any(evidence in line for line in failure.excerpt), failure.excerpt
     assert evidence in failure.cause
     error = failure.to_error(1.0)
-    assert "fix: " in str(error) and "read the quoted lines" not in str(error)
+    assert "fix: " in str(error)
+    assert "read the quoted lines" not in str(error)
     classified = classify_log(lines_of(log), node=HEAD)
-    assert classified is not None and (classified.kind, classified.cause) == (kind, failure.cause)
+    assert classified is not None
+    assert (classified.kind, classified.cause) == (kind, failure.cause)
 
 
 def test_the_unknown_flag_quotes_the_usage_line() -> None:
     failure = classify_log(lines_of("fail-unknown-flag.log"), node=HEAD)
-    assert failure is not None and failure.excerpt[1] == "usage: vllm [-h] [-v]"
+    assert failure is not None
+    assert failure.excerpt[1] == "usage: vllm [-h] [-v]"
 
 
 @pytest.mark.parametrize("run", ["mn2", "mn4"])
@@ -193,29 +195,34 @@ def test_a_killed_worker_is_named_from_the_heads_log(run: str) -> None:
     lines = lines_of(f"{run}-head.log")
     failure = classify_log(lines, node=HEAD, node_of_ip=NODE_OF_IP)
     # the failed node is the worker; the quoted lines are the head's
-    assert failure is not None and (failure.node, failure.kind) == (WORKER, "worker_died")
+    assert failure is not None
+    assert (failure.node, failure.kind) == (WORKER, "worker_died")
     assert failure.log_node == HEAD
     assert f"the worker {WORKER} (127.0.0.1)" in failure.cause
     assert any("Connection closed by peer [127.0.0.1]" in line for line in failure.excerpt)
     # the gate, fed the whole log (ready, then the kill), fails at the same line
     watch = BootWatch(head=HEAD, workers=[], started_at=0.0, node_of_ip=NODE_OF_IP)
     fed = feed(watch, HEAD, lines)
-    assert fed is not None and (fed.kind, fed.cause) == (failure.kind, failure.cause)
+    assert fed is not None
+    assert (fed.kind, fed.cause) == (failure.kind, failure.cause)
     unknown = classify_log(lines, node=HEAD, node_of_ip={})
-    assert unknown is not None and "at 127.0.0.1 (no node" in unknown.cause
+    assert unknown is not None
+    assert "at 127.0.0.1 (no node" in unknown.cause
 
 
 def test_the_head_exiting_0_after_its_engine_died_is_a_failure() -> None:
     watch = BootWatch(head=HEAD, workers=[], started_at=0.0)
     assert feed(watch, HEAD, until(lines_of("mn2-head.log"), READY_LINE)) is None
     failure = watch.observe(ContainerExited(HEAD, 0, 99.0))
-    assert failure is not None and failure.kind == "container_exited"
+    assert failure is not None
+    assert failure.kind == "container_exited"
     assert "exited with code 0 before any teardown" in failure.cause
 
 
 def test_an_engine_that_dies_at_its_first_request_quotes_the_root_cause() -> None:
     failure = classify_log(lines_of("serve-headdim16.log"), node=HEAD)
-    assert failure is not None and failure.kind == "engine_core_fatal"
+    assert failure is not None
+    assert failure.kind == "engine_core_fatal"
     assert "Unsupported CPU attention configuration: head_dim=16" in failure.cause
 
 

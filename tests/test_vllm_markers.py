@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.steps.readiness_gate import BootWatch, LogLine, classify_log
+from sparkdeploy.steps.readiness_gate.watch import BootWatch
+from sparkdeploy.vllm.log_lines import LogLine, classify_log
 from sparkdeploy.vllm.markers import DEFAULT_FAILURE_MARKERS, FAILURE_HINTS
 
 LOGS = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu"
@@ -90,7 +91,8 @@ def test_distributed_failure_is_named_with_its_hint(case: str) -> None:
     kind, line = DISTRIBUTED_LINES[case]
     watch = BootWatch(head="node1", workers=["node2"], started_at=0.0)
     failure = watch.observe(LogLine("node2", line, 1.0))
-    assert failure is not None and (failure.node, failure.kind) == ("node2", kind)
+    assert failure is not None
+    assert (failure.node, failure.kind) == ("node2", kind)
     assert failure.excerpt[-1] == line
     assert f"fix: {FAILURE_HINTS[kind]}" in str(failure.to_error(1.0))
 
@@ -119,7 +121,8 @@ def test_worker_proc_died_quotes_the_workers_error_above_it() -> None:
         DISTRIBUTED_LINES["worker_proc"][1],
     ]
     failure = classify_log(lines, node="node1")
-    assert failure is not None and failure.kind == "worker_proc_died"
+    assert failure is not None
+    assert failure.kind == "worker_proc_died"
     assert "died of ValueError: head size 80 is not supported on CPU" in failure.cause
 
 

@@ -13,7 +13,7 @@ import pytest
 from sparkdeploy.remote.docker_cli import ContainerInfo
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import Plan, make_plan
-from sparkdeploy.spec.recipe import load_recipe
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.steps.watchdog import NodeState, diagnose
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +64,9 @@ def test_the_head_log_alone_names_the_worker_while_its_container_looks_alive(pla
     """The worker's node may still list its container (e.g. the engine process died inside)."""
     log = head_log(plan, "mn4-head.log")
     down = diagnose(plan, states(plan, log, container("running"), container("running")))
-    assert down is not None and down.node == "dgx2" and down.kind == "worker_died"
+    assert down is not None
+    assert down.node == "dgx2"
+    assert down.kind == "worker_died"
 
 
 def test_a_head_stopped_by_someone_else_is_down_not_stopped(plan: Plan) -> None:
@@ -79,7 +81,8 @@ def test_a_head_stopped_by_someone_else_is_down_not_stopped(plan: Plan) -> None:
 def test_a_missing_worker_container_is_named(plan: Plan) -> None:
     log = until_ready(head_log(plan, "mn3-head.log"))
     down = diagnose(plan, states(plan, log, container("running"), None))
-    assert down is not None and down.node == "dgx2"
+    assert down is not None
+    assert down.node == "dgx2"
     assert "has no container" in down.cause
 
 

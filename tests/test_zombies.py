@@ -26,11 +26,13 @@ def test_a_run_three_heartbeats_silent_that_has_not_ended_is_crashed() -> None:
     assert isinstance(trigger, EventTrigger)
     assert trigger.posture == Posture.Proactive
     assert trigger.after == {HEARTBEAT_EVENT}
-    assert HEARTBEAT_EVENT in trigger.expect and "prefect.flow-run.Completed" in trigger.expect
+    assert HEARTBEAT_EVENT in trigger.expect
+    assert "prefect.flow-run.Completed" in trigger.expect
     assert trigger.within == timedelta(seconds=90)
     assert trigger.for_each == {"prefect.resource.id"}
     [action] = automation.actions
-    assert isinstance(action, ChangeFlowRunState) and action.state == StateType.CRASHED
+    assert isinstance(action, ChangeFlowRunState)
+    assert action.state == StateType.CRASHED
 
 
 def test_the_default_silence_outlasts_prefects_default_heartbeat() -> None:

@@ -90,15 +90,29 @@ REPEAT_REQUEST = re.compile(
 )
 
 
-def answer(prompt: str) -> str:
-    """The stand-in's reply: a canary's answer, a sentence it was asked to repeat, or a reply
-    naming the prompt's topics."""
+def fixed_answer(prompt: str) -> str | None:
+    """The one right reply to a canary, or the sentence the prompt asks to repeat; None for a
+    prompt whose reply is free text."""
     canary = canary_answer(prompt)
     if canary is not None:
         return canary
     repeat = REPEAT_REQUEST.match(prompt.strip())
-    if repeat is not None:
-        return repeat.group("sentence").strip()
+    return repeat.group("sentence").strip() if repeat is not None else None
+
+
+def picture_answer(colours: Sequence[str]) -> str:
+    """What the request's pictures show (standin_images.seen_colour names each one's colour)."""
+    if len(colours) == 1:
+        return f"The image is {colours[0]}."
+    return f"The images are {', '.join(colours[:-1])} and {colours[-1]}."
+
+
+def answer(prompt: str) -> str:
+    """The stand-in's reply: a canary's answer, a sentence it was asked to repeat, or a reply
+    naming the prompt's topics."""
+    fixed = fixed_answer(prompt)
+    if fixed is not None:
+        return fixed
     topics: list[str] = []
     for word in re.findall(r"[A-Za-z]{4,}", prompt):
         if word.lower() not in topics:
@@ -146,6 +160,26 @@ def garble(text: str) -> str:
     return re.sub(r"\d", lambda m: str((int(m.group(0)) + 7) % 10), swapped)
 
 
+def misspell(text: str) -> str:
+    """The text with every second word of five letters or more misspelled, two neighbouring
+    inner letters swapped ("answers" -> "answres"), as a build whose LM head mixes up close
+    tokens writes it: words no dictionary has, yet nothing like garbage."""
+    long_words = 0
+
+    def word(match: re.Match[str]) -> str:
+        nonlocal long_words
+        letters = match.group(0)
+        long_words += 1
+        if long_words % 2:
+            return letters
+        for i in range(len(letters) // 2, len(letters) - 2):
+            if letters[i] != letters[i + 1]:
+                return letters[:i] + letters[i + 1] + letters[i] + letters[i + 2 :]
+        return letters
+
+    return re.sub(r"[A-Za-z]{5,}", word, text)
+
+
 def past_eos(text: str, budget: int) -> str:
     """The text and what a model writes after it when its end-of-sequence token is ignored
     (a request's `ignore_eos`): more sentences, past `budget` tokens, so max_tokens ends it."""
@@ -166,7 +200,11 @@ def token_loop(budget: int) -> str:
 def choose_tool(
     tools: Sequence[Mapping[str, Any]], tool_choice: Any, prompt: str
 ) -> Mapping[str, Any]:
-    functions = [tool.get("function", {}) for tool in tools if isinstance(tool, Mapping)]
+    functions: list[Mapping[str, Any]] = [
+        function
+        for tool in tools
+        if isinstance(tool, Mapping) and isinstance(function := tool.get("function", {}), Mapping)
+    ]
     if isinstance(tool_choice, Mapping):
         wanted = tool_choice.get("function", {}).get("name")
         for function in functions:

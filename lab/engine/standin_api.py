@@ -9,240 +9,57 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import socket
 import socketserver
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 try:
     from lab.engine import standin_answers as answers
+    from lab.engine import standin_images as images
+    from lab.engine.standin_completions import (
+        ApiError,
+        Generation,
+        generate,
+        message_text,
+        response_body,
+        stream_events,
+    )
     from lab.engine.standin_log import VLLM_VERSION, Logger
+    from lab.engine.standin_state import EngineState, metrics_page
 except ImportError:  # copied flat into the engine image
-    import standin_answers as answers  # type: ignore[no-redef]
-    from standin_log import VLLM_VERSION, Logger  # type: ignore[no-redef]
+    import standin_answers as answers  # type: ignore[no-redef, import-not-found]
+    import standin_images as images  # type: ignore[no-redef, import-not-found]
+    from standin_completions import (  # type: ignore[no-redef, import-not-found]
+        ApiError,
+        Generation,
+        generate,
+        message_text,
+        response_body,
+        stream_events,
+    )
+    from standin_log import VLLM_VERSION, Logger  # type: ignore[no-redef, import-not-found]
+    from standin_state import EngineState, metrics_page  # type: ignore[no-redef, import-not-found]
 
 LONG_PROMPT_TOKENS = 64
-# vLLM 0.32's default buckets (vllm/v1/metrics/loggers.py, histogram_buckets; as a real engine
-# exports them in tests/fixtures/vllm-0.32-cpu/metrics.txt).
-TTFT_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5)
-TTFT_BUCKETS += (0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
-ITL_BUCKETS += (0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS: tuple[float, ...] = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0)
-E2E_BUCKETS += (30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")  # vLLM 0.32's, behind an API key
-# Cap on generated tokens when a request sets no max_tokens (a loop must end somewhere).
-DEFAULT_MAX_TOKENS = 512
 
 
-@dataclass(frozen=True)
-class ServingConfig:
-    served_names: tuple[str, ...]
-    model: str
-    max_model_len: int
-    reasoning_parser: str | None
-    tool_call_parser: str | None
-    auto_tool_choice: bool
-    api_keys: tuple[str, ...]  # empty: /v1 is open
-    block_size: int
-    kv_cache_tokens: int
-    token_delay_s: float
-    prefix_caching: bool = True  # vLLM V1's default; --no-enable-prefix-caching turns it off
-
-
-@dataclass(frozen=True)
-class OutputFaults:
-    """Which silent output failures the engine shows (STANDIN_FAULT)."""
-
-    token_loop: bool = False
-    garbled: bool = False
-    empty_content: bool = False
-    bad_after: int | None = None
-    hang_long_prompt: bool = False
-
-
-@dataclass
-class Histogram:
-    """A Prometheus histogram: one count per bucket (not cumulative here), sum, count."""
-
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-
-    def observe(self, value: float) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.bounds) + 1)
-        index = next((i for i, le in enumerate(self.bounds) if value <= le), len(self.bounds))
-        self.counts[index] += 1
-        self.total += value
-
-    def lines(self, name: str, labels: str) -> list[str]:
-        counts = self.counts or [0] * (len(self.bounds) + 1)
-        cumulative = 0
-        out = []
-        for le, count in zip((*(f"{b}" for b in self.bounds), "+Inf"), counts, strict=True):
-            cumulative += count
-            out.append(f'{name}_bucket{{{labels},le="{le}"}} {float(cumulative)}')
-        out.append(f"{name}_count{{{labels}}} {float(cumulative)}")
-        out.append(f"{name}_sum{{{labels}}} {self.total}")
-        return out
-
-
-@dataclass
-class PrefixCache:
-    """Full blocks of prompt tokens seen before, as vLLM's prefix cache hashes them (a block's
-    hash chains its predecessor's), least recently used first out."""
-
-    block_size: int
-    capacity_blocks: int
-    blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
-
-    def lookup(self, prompt_tokens: list[str]) -> int:
-        """Tokens of the prompt found cached (whole leading blocks; never the last token, which
-        the engine computes anyway); the prompt's blocks are cached afterwards."""
-        hits, parent, cached = 0, 0, True
-        full = (len(prompt_tokens) - 1) // self.block_size
-        for index in range(full):
-            block = prompt_tokens[index * self.block_size : (index + 1) * self.block_size]
-            parent = hash((parent, *block))
-            if cached and parent in self.blocks:
-                hits += self.block_size
-                self.blocks.move_to_end(parent)
-            else:
-                cached = False
-                self.blocks[parent] = None
-                if len(self.blocks) > self.capacity_blocks:
-                    self.blocks.popitem(last=False)
-        return hits
-
-
-@dataclass
-class EngineState:
-    config: ServingConfig
-    faults: OutputFaults
-    started: float = field(default_factory=time.time)
-    dead: bool = False
-    requests: int = 0
-    running: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
-    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
-    prefix_cache: PrefixCache | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        if self.config.prefix_caching and self.prefix_cache is None:
-            blocks = max(1, self.config.kv_cache_tokens // self.config.block_size)
-            self.prefix_cache = PrefixCache(self.config.block_size, blocks)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.message, self.param = status, kind, message, param
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One request's output before it is put in an OpenAI response."""
-
-    content: str | None
-    reasoning: str
-    tool_name: str | None
-    tool_arguments: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return " ".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
-    return ""
-
-
-def generate(
-    state: EngineState,
-    body: Mapping[str, Any],
-    prompt_text: str,
-    prompt_tokens: int,
-    request_number: int,
-) -> Generation:
-    """The model's output for a request, the fault switches applied."""
-    config, faults = state.config, state.faults
-    requested = body.get("max_completion_tokens") or body.get("max_tokens")
-    budget = (
-        int(requested)
-        if requested
-        else min(DEFAULT_MAX_TOKENS, max(1, config.max_model_len - prompt_tokens))
-    )
-    template_kwargs = body.get("chat_template_kwargs") or {}
-    thinking = answers.reasoning(
-        prompt_text, answers.reasoning_budget(config.reasoning_parser, template_kwargs)
-    )
-    thinking_tokens = answers.tokens(thinking)[:budget]
-    thinking = "".join(thinking_tokens).strip()
-    budget_left = budget - len(thinking_tokens)
-
-    tools = body.get("tools") or []
-    tool_choice = body.get("tool_choice", "auto" if tools else "none")
-    if tools and tool_choice != "none":
-        if tool_choice == "auto" and not (config.auto_tool_choice and config.tool_call_parser):
-            raise ApiError(400, "BadRequestError", answers.TOOL_CHOICE_NEEDS_FLAGS)
-        function = answers.choose_tool(tools, tool_choice, prompt_text)
-        arguments = answers.tool_arguments(function, prompt_text)
-        return Generation(
-            None,
-            thinking,
-            str(function.get("name")),
-            arguments,
-            "tool_calls",
-            prompt_tokens,
-            len(thinking_tokens) + answers.count_tokens(arguments) + 2,
-        )
-
-    bad = faults.garbled or (faults.bad_after is not None and request_number > faults.bad_after)
-    if faults.token_loop:
-        text = answers.token_loop(budget_left)
-    elif faults.empty_content:
-        text = ""
-    else:
-        text = answers.answer(prompt_text)
-        if bad:
-            text = answers.garble(text)
-    if body.get("ignore_eos"):
-        # vLLM's sampling extra: generate until max_tokens, past the end of the answer
-        text = answers.past_eos(text, budget_left)
-    pieces = answers.tokens(text)
-    finish = "stop"
-    if len(pieces) > budget_left:
-        pieces, finish = pieces[: max(budget_left, 0)], "length"
-    content = "".join(pieces).strip() if pieces or not thinking_tokens else None
-    return Generation(
-        content, thinking, None, "", finish, prompt_tokens, len(thinking_tokens) + len(pieces)
-    )
+def seen_colours(messages: list[Any], limit: int | None) -> list[str]:
+    """The colour of each picture of the messages; vLLM's 400 for more pictures than the
+    engine's --limit-mm-per-prompt allows (none without it), or for one that does not load."""
+    urls = images.image_urls(messages)
+    refusal = images.limit_refusal(len(urls), limit)
+    if refusal is not None:
+        raise ApiError(400, "BadRequestError", refusal)
+    try:
+        return [images.seen_colour(url) for url in urls]
+    except ValueError as error:
+        raise ApiError(400, "BadRequestError", f"Failed to load the image: {error}") from None
 
 
 class StandinServer(ThreadingHTTPServer):
@@ -337,7 +154,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         elif path == "/v1/models":
             self._send_json(200, self._models())
         elif path == "/metrics":
-            self._send_text(200, self._metrics(), "text/plain; version=0.0.4; charset=utf-8")
+            self._send_text(200, metrics_page(state), "text/plain; version=0.0.4; charset=utf-8")
         else:
             self._send_json(404, {"detail": "Not Found"})
 
@@ -360,72 +177,6 @@ class ApiHandler(BaseHTTPRequestHandler):
                 for name in config.served_names
             ],
         }
-
-    def _metrics(self) -> str:
-        state, config = self.state, self.state.config
-        label = f'engine="0",model_name="{config.served_names[0]}"'
-        lines = [
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{label}}} {float(state.running)}",
-            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
-            "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{label}}} 0.0",
-            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
-            "# TYPE vllm:kv_cache_usage_perc gauge",
-            f"vllm:kv_cache_usage_perc{{{label}}} 0.0",
-            "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of "
-            "queried tokens.",
-            "# TYPE vllm:prefix_cache_queries_total counter",
-            f"vllm:prefix_cache_queries_total{{{label}}} {float(state.prefix_cache_queries)}",
-            "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached "
-            "tokens.",
-            "# TYPE vllm:prefix_cache_hits_total counter",
-            f"vllm:prefix_cache_hits_total{{{label}}} {float(state.prefix_cache_hits)}",
-            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
-            "# TYPE vllm:num_preemptions_total counter",
-            f"vllm:num_preemptions_total{{{label}}} 0.0",  # the stand-in never runs out of KV
-            "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
-            "# TYPE vllm:prompt_tokens_total counter",
-            f"vllm:prompt_tokens_total{{{label}}} {float(state.prompt_tokens)}",
-            "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
-            "# TYPE vllm:generation_tokens_total counter",
-            f"vllm:generation_tokens_total{{{label}}} {float(state.generation_tokens)}",
-            "# HELP vllm:request_success_total Count of successfully processed requests.",
-            "# TYPE vllm:request_success_total counter",
-        ]
-        for reason in ("stop", "length", "tool_calls"):
-            count = float(state.finished.get(reason, 0))
-            lines.append(
-                f'vllm:request_success_total{{{label},finished_reason="{reason}"}} {count}'
-            )
-        for name, help_text, histogram in (
-            (
-                "vllm:time_to_first_token_seconds",
-                "Histogram of time to first token in seconds.",
-                state.ttft,
-            ),
-            (
-                "vllm:inter_token_latency_seconds",
-                "Histogram of inter-token latency in seconds.",
-                state.itl,
-            ),
-            (
-                "vllm:e2e_request_latency_seconds",
-                "Histogram of e2e request latency in seconds.",
-                state.e2e,
-            ),
-        ):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-            with state.lock:
-                lines += histogram.lines(name, label)
-        lines += [
-            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
-            "# TYPE vllm:cache_config_info gauge",
-            f'vllm:cache_config_info{{block_size="{config.block_size}",engine="0",'
-            f'num_gpu_blocks="{config.kv_cache_tokens // config.block_size}"}} 1.0',
-        ]
-        return "\n".join(lines) + "\n"
 
     def do_POST(self) -> None:
         if not self._authorized():
@@ -452,7 +203,8 @@ class ApiHandler(BaseHTTPRequestHandler):
     def _complete(self, chat: bool, raw: bytes) -> None:
         arrived = time.monotonic()
         state, config = self.state, self.state.config
-        if state.dead:
+        failing = state.faults.fail_requests_when
+        if state.dead or (failing is not None and os.path.exists(failing)):
             raise ApiError(
                 500,
                 "InternalServerError",
@@ -467,13 +219,15 @@ class ApiHandler(BaseHTTPRequestHandler):
         model = body.get("model") or config.served_names[0]
         if model not in config.served_names:
             raise ApiError(404, "NotFoundError", f"The model `{model}` does not exist.", "model")
+        colours: list[str] = []
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise ApiError(400, "BadRequestError", "messages: Field required", "messages")
-            texts = [_text(m.get("content")) for m in messages if isinstance(m, Mapping)]
+            colours = seen_colours(messages, config.image_limit)
+            texts = [message_text(m.get("content")) for m in messages if isinstance(m, Mapping)]
             users = [
-                _text(m.get("content"))
+                message_text(m.get("content"))
                 for m in messages
                 if isinstance(m, Mapping) and m.get("role") == "user"
             ]
@@ -487,12 +241,12 @@ class ApiHandler(BaseHTTPRequestHandler):
                     "<|start|>",
                     str(message.get("role")),
                     "<|message|>",
-                    *answers.tokens(_text(message.get("content"))),
+                    *answers.tokens(message_text(message.get("content"))),
                     "<|end|>",
                 )
             ] + ["<|assistant|>", "<|message|>"]
         else:
-            prompt_text = _text(body.get("prompt"))
+            prompt_text = message_text(body.get("prompt"))
             prompt = answers.tokens(prompt_text)
         prompt_tokens = len(prompt)
         if state.faults.hang_long_prompt and prompt_tokens > LONG_PROMPT_TOKENS:
@@ -504,7 +258,7 @@ class ApiHandler(BaseHTTPRequestHandler):
             if state.prefix_cache is not None:
                 state.prefix_cache_queries += prompt_tokens
                 state.prefix_cache_hits += state.prefix_cache.lookup(prompt)
-        generation = generate(state, body, prompt_text, prompt_tokens, number)
+        generation = generate(state, body, prompt_text, prompt_tokens, number, colours)
         with state.lock:
             state.prompt_tokens += generation.prompt_tokens
             state.generation_tokens += generation.completion_tokens
@@ -516,7 +270,7 @@ class ApiHandler(BaseHTTPRequestHandler):
             self._stream(chat, request_id, str(model), generation, include_usage, arrived)
         else:
             answered = time.monotonic() - arrived
-            self._send_json(200, _response(chat, request_id, str(model), generation, config))
+            self._send_json(200, response_body(chat, request_id, str(model), generation, config))
             with state.lock:
                 state.ttft.observe(answered)
                 state.e2e.observe(time.monotonic() - arrived)
@@ -538,7 +292,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         self.end_headers()
         delay = state.config.token_delay_s
         last_token: float | None = None
-        for event, carries_token in _stream_events(
+        for event, carries_token in stream_events(
             chat, request_id, model, generation, state.config, usage
         ):
             data = f"data: {event}\n\n".encode()
@@ -559,118 +313,3 @@ class ApiHandler(BaseHTTPRequestHandler):
         self.wfile.flush()
         with state.lock:
             state.e2e.observe(time.monotonic() - arrived)
-
-
-def _usage(generation: Generation) -> dict[str, int]:
-    return {
-        "prompt_tokens": generation.prompt_tokens,
-        "completion_tokens": generation.completion_tokens,
-        "total_tokens": generation.prompt_tokens + generation.completion_tokens,
-    }
-
-
-def _tool_call(request_id: str, generation: Generation) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-tool-{request_id[:16]}",
-        "type": "function",
-        "function": {"name": generation.tool_name, "arguments": generation.tool_arguments},
-    }
-
-
-def _response(
-    chat: bool, request_id: str, model: str, generation: Generation, config: ServingConfig
-) -> dict[str, Any]:
-    created = int(time.time())
-    if not chat:
-        return {
-            "id": f"cmpl-{request_id}",
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": generation.content or "",
-                    "logprobs": None,
-                    "finish_reason": generation.finish_reason,
-                }
-            ],
-            "usage": _usage(generation),
-        }
-    message: dict[str, Any] = {"role": "assistant", "content": generation.content}
-    if config.reasoning_parser is not None:
-        thinking = generation.reasoning or None
-        message["reasoning"] = thinking
-        message["reasoning_content"] = thinking
-    message["tool_calls"] = (
-        [_tool_call(request_id, generation)] if generation.tool_name is not None else []
-    )
-    return {
-        "id": f"chatcmpl-{request_id}",
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": generation.finish_reason,
-                "stop_reason": None,
-            }
-        ],
-        "usage": _usage(generation),
-    }
-
-
-def _stream_events(
-    chat: bool,
-    request_id: str,
-    model: str,
-    generation: Generation,
-    config: ServingConfig,
-    include_usage: bool,
-) -> Iterator[tuple[str, bool]]:
-    """The SSE events' data, each with whether it carries a generated token."""
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    prefix = "chatcmpl" if chat else "cmpl"
-
-    def chunk(choice: dict[str, Any] | None, usage: dict[str, int] | None = None) -> str:
-        event: dict[str, Any] = {
-            "id": f"{prefix}-{request_id}",
-            "object": kind,
-            "created": created,
-            "model": model,
-            "choices": [] if choice is None else [choice],
-        }
-        if usage is not None:
-            event["usage"] = usage
-        return json.dumps(event)
-
-    def delta(fields: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        if not chat:
-            return {
-                "index": 0,
-                "text": fields.get("content", ""),
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        return {"index": 0, "delta": fields, "logprobs": None, "finish_reason": finish}
-
-    if chat:
-        yield chunk(delta({"role": "assistant", "content": ""})), False
-        for piece in answers.tokens(generation.reasoning):
-            yield chunk(delta({"reasoning": piece, "reasoning_content": piece})), True
-    if generation.tool_name is not None:
-        call = _tool_call(request_id, generation)
-        call["function"]["arguments"] = ""
-        yield chunk(delta({"tool_calls": [{"index": 0, **call}]})), True
-        arguments = {"arguments": generation.tool_arguments}
-        yield chunk(delta({"tool_calls": [{"index": 0, "function": arguments}]})), True
-    for piece in answers.tokens(generation.content or ""):
-        yield chunk(delta({"content": piece})), True
-    yield chunk(delta({}, generation.finish_reason)), False
-    if include_usage:
-        yield chunk(None, _usage(generation)), False
-    yield "[DONE]", False

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 try:
     from lab.engine.standin_log import VLLM_VERSION
 except ImportError:  # copied flat into the engine image
-    from standin_log import VLLM_VERSION  # type: ignore[no-redef]
+    from standin_log import VLLM_VERSION  # type: ignore[no-redef, import-not-found]
 
 SERVE_USAGE = "vllm serve [model_tag] [options]"
 # vLLM 0.32's top-level usage: an unknown flag of `vllm serve` is reported by the top parser.

@@ -18,7 +18,7 @@ from pathlib import Path
 try:
     from lab.engine.standin_net import engine_timeout_line, gloo_peer_closed_line
 except ImportError:  # copied flat into the engine image
-    from standin_net import (  # type: ignore[no-redef]
+    from standin_net import (  # type: ignore[no-redef, import-not-found]
         engine_timeout_line,
         gloo_peer_closed_line,
     )
@@ -62,8 +62,10 @@ SWITCHES = (
     "garbled",
     "empty_content",
     "bad_after",
+    "typos",
     "hang_long_prompt",
     "die_after_ready",
+    "fail_requests",
     "allocate",
 )
 

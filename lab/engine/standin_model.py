@@ -16,20 +16,22 @@ from typing import Any
 try:
     from lab.engine.standin_log import EngineFatal
 except ImportError:  # copied flat into the engine image
-    from standin_log import EngineFatal  # type: ignore[no-redef]
+    from standin_log import EngineFatal  # type: ignore[no-redef, import-not-found]
 
 try:
+    from sparkdeploy.errors import EngramError
     from sparkdeploy.node import engram
     from sparkdeploy.vllm import kv_cache
 except ImportError:
-    import engram  # type: ignore[no-redef]
-    import kv_cache  # type: ignore[no-redef]
+    import engram  # type: ignore[no-redef, import-not-found]
+    import kv_cache  # type: ignore[no-redef, import-not-found]
+    from errors import EngramError  # type: ignore[no-redef, import-not-found]
 
 try:
     from lab import tinymodel
 except ImportError:
     try:
-        import tinymodel  # type: ignore[no-redef]
+        import tinymodel  # type: ignore[no-redef, import-not-found]
     except ImportError:
         # Without the generator's content rules only holes (all-zero rows) can be detected.
         tinymodel = None  # type: ignore[assignment]
@@ -145,7 +147,7 @@ def load_model(model: str, revision: str | None, env: Mapping[str, str]) -> Load
         raise EngineFatal([f"OSError: {config_path} is not valid JSON: {exc}"]) from exc
     try:
         geometry = engram.EngramGeometry.from_config(config)
-    except engram.EngramError as exc:
+    except EngramError as exc:
         raise EngineFatal([f"ValueError: {exc}"]) from exc
     shard_paths = _shard_paths(model, snapshot)
     shards = []
@@ -156,7 +158,7 @@ def load_model(model: str, revision: str | None, env: Mapping[str, str]) -> Load
             raise EngineFatal(
                 [f"FileNotFoundError: [Errno 2] No such file or directory: '{path}'"]
             ) from exc
-        except engram.EngramError as exc:
+        except EngramError as exc:
             raise EngineFatal(
                 [f"safetensors_rust.SafetensorError: Error while deserializing header: {exc}"]
             ) from exc
@@ -185,7 +187,7 @@ def verify_engram_rows(model: LoadedModel, ranks: Sequence[int], tp: int) -> lis
     for shard in model.shards:
         try:
             tables = engram.engram_tables(shard.tensors, geometry)
-        except engram.EngramError as exc:
+        except EngramError as exc:
             raise EngineFatal([f"ValueError: {shard.path}: {exc}"]) from exc
         for layer_pos, weight, scale in tables:
             found[layer_pos] = (shard, weight, scale)

@@ -21,7 +21,7 @@ from typing import Any
 try:
     from lab.engine.standin_log import VLLM_VERSION, EngineFatal, Logger
 except ImportError:  # copied flat into the engine image
-    from standin_log import VLLM_VERSION, EngineFatal, Logger  # type: ignore[no-redef]
+    from standin_log import VLLM_VERSION, EngineFatal, Logger  # type: ignore[no-redef, import-not-found]
 
 NCCL_VERSION = "2.27.7"
 CONNECT_RETRY_S = 0.1

@@ -22,9 +22,10 @@ from types import FrameType
 
 try:
     from lab.engine import standin_model as model_io
-    from lab.engine.standin_api import EngineState, OutputFaults, ServingConfig, StandinServer
+    from lab.engine.standin_api import StandinServer
     from lab.engine.standin_args import non_default_args, parse_command_line
     from lab.engine.standin_faults import Faults, FaultSpecError, fatal_lines
+    from lab.engine.standin_images import image_limit
     from lab.engine.standin_log import VLLM_VERSION, EngineFatal, Logger
     from lab.engine.standin_net import (
         HeadRendezvous,
@@ -33,23 +34,27 @@ try:
         gloo_peer_closed_line,
         headless_line,
     )
+    from lab.engine.standin_parallel import ParallelLayout
+    from lab.engine.standin_state import EngineState, OutputFaults, ServingConfig
 except ImportError:  # copied flat into the engine image
-    import standin_model as model_io  # type: ignore[no-redef]
-    from standin_api import (  # type: ignore[no-redef]
-        EngineState,
-        OutputFaults,
-        ServingConfig,
-        StandinServer,
-    )
-    from standin_args import non_default_args, parse_command_line  # type: ignore[no-redef]
-    from standin_faults import Faults, FaultSpecError, fatal_lines  # type: ignore[no-redef]
-    from standin_log import VLLM_VERSION, EngineFatal, Logger  # type: ignore[no-redef]
-    from standin_net import (  # type: ignore[no-redef]
+    import standin_model as model_io  # type: ignore[no-redef, import-not-found]
+    from standin_api import StandinServer  # type: ignore[no-redef, import-not-found]
+    from standin_args import non_default_args, parse_command_line  # type: ignore[no-redef, import-not-found]
+    from standin_faults import Faults, FaultSpecError, fatal_lines  # type: ignore[no-redef, import-not-found]
+    from standin_images import image_limit  # type: ignore[no-redef, import-not-found]
+    from standin_log import VLLM_VERSION, EngineFatal, Logger  # type: ignore[no-redef, import-not-found]
+    from standin_net import (  # type: ignore[no-redef, import-not-found]
         HeadRendezvous,
         WorkerRendezvous,
         check_node_network,
         gloo_peer_closed_line,
         headless_line,
+    )
+    from standin_parallel import ParallelLayout  # type: ignore[no-redef, import-not-found]
+    from standin_state import (  # type: ignore[no-redef, import-not-found]
+        EngineState,
+        OutputFaults,
+        ServingConfig,
     )
 
 DEFAULT_MASTER_PORT = 29501
@@ -73,10 +78,7 @@ class StandinEngine:
         self.args = args
         self.env = env
         self.started = time.monotonic()
-        self.nnodes = args.nnodes or 1
-        self.node_rank = args.node_rank or 0
-        self.tp = args.tensor_parallel_size or 1
-        self.pp = args.pipeline_parallel_size or 1
+        self.layout = ParallelLayout.from_args(args)
         self.headless = bool(args.headless)
         self.master = (args.master_addr or "127.0.0.1", args.master_port or DEFAULT_MASTER_PORT)
         # vLLM 0.32's process names: APIServer, EngineCore, and a worker process per rank that
@@ -87,7 +89,7 @@ class StandinEngine:
         self.ready_timeout_s = float(
             env.get("VLLM_ENGINE_READY_TIMEOUT_S", DEFAULT_ENGINE_READY_TIMEOUT_S)
         )
-        self.faults = Faults.parse(env.get("STANDIN_FAULT", ""), self.node_rank)
+        self.faults = Faults.parse(env.get("STANDIN_FAULT", ""), self.layout.node_rank)
         if env.get("STANDIN_FAULT_ONCE_DIR"):
             self.faults = self.faults.first_time_only(Path(env["STANDIN_FAULT_ONCE_DIR"]))
         self.head: HeadRendezvous | None = None
@@ -134,7 +136,7 @@ class StandinEngine:
         else:
             self.api.info("api_utils.py:347", f"vLLM API server version {VLLM_VERSION}")
             self.api.info("api_utils.py:286", f"non-default args: {non_default_args(self.args)}")
-        self.check_parallel_config()
+        self.layout.check(self.args.distributed_executor_backend, self.headless)
         check_node_network(self.env)
         if self.headless:
             # printed at start-up, long before this node has joined the head (vLLM 0.32)
@@ -144,8 +146,8 @@ class StandinEngine:
             self.core.info(
                 "core.py:133",
                 f"Initializing a V1 LLM engine (v{VLLM_VERSION}) with config: "
-                f"model={self.args.model!r}, tensor_parallel_size={self.tp}, "
-                f"pipeline_parallel_size={self.pp}",
+                f"model={self.args.model!r}, tensor_parallel_size={self.layout.tp}, "
+                f"pipeline_parallel_size={self.layout.pp}",
             )
         self.strike("startup")
         memory = model_io.DeviceMemory.from_env(self.env)
@@ -163,37 +165,6 @@ class StandinEngine:
     def utilization(self) -> float:
         value = self.args.gpu_memory_utilization
         return 0.9 if value is None else float(value)
-
-    def check_parallel_config(self) -> None:
-        args = self.args
-        if self.nnodes > 1 and args.distributed_executor_backend == "ray":
-            raise EngineFatal(
-                [
-                    f"ValueError: nnodes={self.nnodes} (multi-node without Ray) needs "
-                    "distributed_executor_backend='mp', got 'ray'; with Ray, start the Ray "
-                    "cluster and run one `vllm serve` on the head without --nnodes"
-                ],
-                engine_core=False,
-            )
-        if not 0 <= self.node_rank < self.nnodes:
-            raise EngineFatal(
-                [f"ValueError: node_rank {self.node_rank} is not in [0, nnodes={self.nnodes})"],
-                engine_core=False,
-            )
-        if (self.tp * self.pp) % self.nnodes:
-            raise EngineFatal(
-                [
-                    f"ValueError: world size {self.tp * self.pp} (tensor_parallel_size {self.tp}"
-                    f" x pipeline_parallel_size {self.pp}) is not divisible by nnodes "
-                    f"{self.nnodes}"
-                ],
-                engine_core=False,
-            )
-        if self.headless and self.node_rank == 0:
-            raise EngineFatal(
-                ["ValueError: --headless is for the worker nodes (node rank > 0)"],
-                engine_core=False,
-            )
 
     def bind_api_port(self) -> StandinServer:
         host = self.args.host or "0.0.0.0"
@@ -216,72 +187,42 @@ class StandinEngine:
             lines = fatal_lines(kind, self.env, master=self.master)
             raise EngineFatal(lines, engine_core=kind != "engine_timeout")
 
-    def worker_log(self, rank: int) -> Logger:
-        """The worker process of `rank` once its rank is assigned."""
-        return Logger(f"Worker_TP{rank}" if self.tp * self.pp > 1 else "Worker")
-
     def rendezvous(self) -> None:
         addr, port = self.master
-        world = self.tp * self.pp
+        layout = self.layout
         unassigned = Logger("Worker")
-        if self.nnodes == 1:
-            for rank in self.local_ranks():
-                self.print_process_group(unassigned, rank, world, "127.0.0.1", port)
-            self.print_rank_assignments(unassigned)
+        if layout.nnodes == 1:
+            for rank in layout.local_ranks():
+                layout.print_process_group(unassigned, rank, "127.0.0.1", port)
+            layout.print_rank_assignments(unassigned)
             return
         hello = {
-            "node_rank": self.node_rank,
-            "nnodes": self.nnodes,
-            "tensor_parallel_size": self.tp,
-            "pipeline_parallel_size": self.pp,
+            "node_rank": layout.node_rank,
+            "nnodes": layout.nnodes,
+            "tensor_parallel_size": layout.tp,
+            "pipeline_parallel_size": layout.pp,
             "model": self.args.model,
         }
-        if self.node_rank == 0:
+        if layout.node_rank == 0:
             self.head = HeadRendezvous(
                 addr,
                 port,
-                self.nnodes,
+                layout.nnodes,
                 {key: value for key, value in hello.items() if key != "node_rank"},
                 self.core,
                 on_worker_lost=self.worker_lost,
             )
             self.head.start()
-            for rank in self.local_ranks():
-                self.print_process_group(unassigned, rank, world, addr, port)
+            for rank in layout.local_ranks():
+                layout.print_process_group(unassigned, rank, addr, port)
             # vLLM's head waits here, silent, until every worker has connected.
             self.head.wait_all_joined(self.started + self.ready_timeout_s, self.ready_timeout_s)
         else:
-            for rank in self.local_ranks():
-                self.print_process_group(unassigned, rank, world, addr, port)
+            for rank in layout.local_ranks():
+                layout.print_process_group(unassigned, rank, addr, port)
             timeout = float(self.env.get("VLLM_RENDEZVOUS_TIMEOUT_S", DEFAULT_RENDEZVOUS_TIMEOUT_S))
             self.worker = WorkerRendezvous.connect(addr, port, timeout, hello)
-        self.print_rank_assignments(unassigned)
-
-    def print_process_group(self, log: Logger, rank: int, world: int, addr: str, port: int) -> None:
-        log.info(
-            "parallel_state.py:1906",
-            f"world_size={world} rank={rank} local_rank={rank % self.gpus_per_node} "
-            f"distributed_init_method=tcp://{addr}:{port} backend=nccl",
-        )
-
-    def print_rank_assignments(self, log: Logger) -> None:
-        """vLLM's line once the process group has formed: this rank has joined."""
-        world = self.tp * self.pp
-        for rank in self.local_ranks():
-            log.info(
-                "parallel_state.py:2350",
-                f"rank {rank} in world size {world} is assigned as DP rank 0, PP rank "
-                f"{rank // self.tp}, PCP rank 0, TP rank {rank % self.tp}, ETP rank "
-                f"{rank % self.tp}, EP rank N/A, EPLB rank N/A",
-            )
-
-    @property
-    def gpus_per_node(self) -> int:
-        return self.tp * self.pp // self.nnodes
-
-    def local_ranks(self) -> list[int]:
-        first = self.node_rank * self.gpus_per_node
-        return list(range(first, first + self.gpus_per_node))
+        layout.print_rank_assignments(unassigned)
 
     def load(self) -> model_io.LoadedModel:
         load_started = time.monotonic()
@@ -299,13 +240,14 @@ class StandinEngine:
             self.allocated = b"\x01" * (int(self.faults.number("allocate", 256)) << 20)
         self.strike("load")
         model = model_io.load_model(self.args.model, self.args.revision, self.env)
-        tp_ranks = sorted({rank % self.tp for rank in self.local_ranks()})
-        for checked in model_io.verify_engram_rows(model, tp_ranks, self.tp):
+        tp = self.layout.tp
+        tp_ranks = sorted({rank % tp for rank in self.layout.local_ranks()})
+        for checked in model_io.verify_engram_rows(model, tp_ranks, tp):
             self.core.info("engram_loader.py:88", f"Engram table verified: {checked}")
         elapsed = time.monotonic() - load_started
-        weights_gib = model.dense_bytes() / self.tp / model_io.GIB
-        for rank in self.local_ranks():
-            worker = self.worker_log(rank)
+        weights_gib = model.dense_bytes() / tp / model_io.GIB
+        for rank in self.layout.local_ranks():
+            worker = self.layout.worker_log(rank)
             worker.info("default_loader.py:501", f"Loading weights took {elapsed:.2f} seconds")
             worker.info(
                 "gpu_model_runner.py:5150",
@@ -337,14 +279,14 @@ class StandinEngine:
         plan = model_io.plan_kv_cache(
             model,
             memory,
-            tp=self.tp,
+            tp=self.layout.tp,
             utilization=self.utilization,
             kv_cache_memory_bytes=self.args.kv_cache_memory_bytes,
             max_model_len=self.args.max_model_len,
             block_size=self.args.block_size or 16,
             kv_cache_dtype=self.args.kv_cache_dtype,
         )
-        self.worker_log(0).info(
+        self.layout.worker_log(0).info(
             "gpu_worker.py:760", f"Available KV cache memory: {plan.available_gib:.2f} GiB"
         )
         self.core.info(
@@ -377,6 +319,7 @@ class StandinEngine:
             kv_cache_tokens=plan.tokens,
             token_delay_s=float(self.env.get("STANDIN_DECODE_DELAY_S", "0.001")),
             prefix_caching=args.enable_prefix_caching is not False,
+            image_limit=image_limit(args.limit_mm_per_prompt),
         )
         faults = OutputFaults(
             token_loop=self.faults.has("token_loop"),
@@ -385,7 +328,9 @@ class StandinEngine:
             bad_after=(
                 int(self.faults.number("bad_after", 5)) if self.faults.has("bad_after") else None
             ),
+            typos=self.faults.number("typos", 0.05) if self.faults.has("typos") else None,
             hang_long_prompt=self.faults.has("hang_long_prompt"),
+            fail_requests_when=self.faults.active.get("fail_requests") or None,
         )
         self.state = EngineState(config, faults)
         host, port = self.server.server_name, self.server.server_port
@@ -446,7 +391,7 @@ class StandinEngine:
 
     def worker_lost(self, node_rank: int, host: str) -> None:
         # vLLM 0.32: TP rank 0's gloo pair reports the peer, then the engine core dies.
-        worker = self.worker_log(0)
+        worker = self.layout.worker_log(0)
         worker.error("multiproc_executor.py:1063", "WorkerProc hit an exception.")
         worker.error("multiproc_executor.py:1063", gloo_peer_closed_line(host, node_rank))
         self.engine_died(f"the worker on node rank {node_rank} ({host}) is gone")

@@ -144,13 +144,14 @@ def _resolve(nas_hf_cache: str, repo: str, revision: str | None) -> Source:
         commit, snapshot = resolve_snapshot(nas_hf_cache, repo, revision)
     except SnapshotNotFound as exc:
         raise ComposeFailure("missing_source", str(exc)) from None
-    entries = []
+    entries: list[str] = []
     for directory, subdirs, files in os.walk(snapshot):
         relative = os.path.relpath(directory, snapshot)
         linked_dirs = [d for d in subdirs if os.path.islink(os.path.join(directory, d))]
         subdirs[:] = sorted(d for d in subdirs if d not in linked_dirs)
-        for name in (*files, *linked_dirs):
-            entries.append(os.path.normpath(os.path.join(relative, name)))
+        entries.extend(
+            os.path.normpath(os.path.join(relative, name)) for name in (*files, *linked_dirs)
+        )
     return Source(repo, revision, commit, snapshot, tuple(sorted(entries)))
 
 

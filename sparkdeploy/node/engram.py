@@ -1,7 +1,8 @@
 """Engram table geometry, safetensors headers and the byte ranges of each tensor-parallel rank.
 
-Standard library only, and importable as a single file: the staging step ships this source to
-the nodes over SSH and the lab's engine image copies it next to the engine stand-in.
+Standard library + sparkdeploy.errors, and importable beside a flat copy of errors.py: the
+staging step ships both to the nodes over SSH (sparkdeploy.remote.node_script) and the lab's
+engine image copies both next to the engine stand-in.
 
 The rules (see docs/field.md, "Engram tables"): each Engram layer's table is made of
 (max_ngram_size - 1) * n_heads hash columns, ordered by n-gram order then head, each of a prime
@@ -21,10 +22,8 @@ from typing import Any
 
 try:
     from sparkdeploy.errors import EngramError
-except ImportError:  # shipped alone to a node or into the engine image: no sparkdeploy package
-
-    class EngramError(Exception):  # type: ignore[no-redef]
-        """The Engram geometry or a safetensors shard is inconsistent."""
+except ImportError:  # copied flat into the lab's engine image, beside errors.py
+    from errors import EngramError  # type: ignore[no-redef, import-not-found]
 
 
 HEADER_LENGTH_BYTES = 8
@@ -385,7 +384,8 @@ def engram_tables(
                     f"the config's geometry needs a 1-byte dtype of shape {list(shape)}; the "
                     "config.json and the checkpoint are of different models or revisions"
                 )
-        assert weight is not None and scale is not None
+        assert weight is not None
+        assert scale is not None
         tables.append((layer_pos, weight, scale))
     return tables
 

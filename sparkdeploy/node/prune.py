@@ -29,8 +29,8 @@ from typing import Any
 from sparkdeploy.node.compose_model import read_key
 
 FAILED_EXIT = 3
-# Written beside a local file by sparkdeploy.node.stage_engram and stage_plain (the same names
-# as there; tests/test_prune.py checks): they go with the file.
+# Written beside a local file by sparkdeploy.node.engram_copy and plain_copy (the same names
+# as staged_file's and engram_plan's; tests/test_prune.py checks): they go with the file.
 MANIFEST_SUFFIX = ".manifest.json"
 COMPANION_SUFFIXES = (MANIFEST_SUFFIX, ".partial", ".partial.journal.json")
 

@@ -13,20 +13,17 @@ import re
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from sparkdeploy.errors import ImageError, RemoteError, TransientRemoteError
-from sparkdeploy.node import probe as node_probe
-from sparkdeploy.remote.node_script import STDERR_TAIL_CHARS, build_node_script, last_json_line
-from sparkdeploy.remote.ssh import CommandResult, LineStream, SshTarget, on_all
+from sparkdeploy.remote.runner import CommandResult, Runner, stderr_text
+from sparkdeploy.remote.ssh import SshTarget, on_all
 from sparkdeploy.spec.labels import DEPLOYMENT_LABEL
 
 DOCKER_TIMEOUT_S = 60.0
 # What dockerd answers `docker rm` of a container another removal is already removing.
 _REMOVAL_UNDER_WAY = "is already in progress"
 REMOVAL_POLL_S = 0.2
-PROBE_TIMEOUT_S = 90.0
 
 T = TypeVar("T")
 Log = Callable[[str], None]
@@ -51,34 +48,31 @@ _UNREACHABLE = re.compile(
 _DAEMON_DOWN = re.compile(
     r"cannot connect to the docker daemon|is the docker daemon running", re.IGNORECASE
 )
-
-
-class Runner(Protocol):
-    """What the docker helpers need of a node: sparkdeploy.remote.ssh.Connection, or a test
-    double."""
-
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float,
-        stdin: bytes | None = None,
-        check: bool = True,
-    ) -> CommandResult: ...
-
-    def run_python(
-        self,
-        source: str,
-        args: Sequence[str],
-        *,
-        timeout: float,
-        stdin: bytes | None = None,
-        check: bool = True,
-    ) -> CommandResult: ...
-
-    def stream_lines(
-        self, argv: Sequence[str], *, timeout: float, idle_timeout: float | None = None
-    ) -> LineStream: ...
+# A failed pull or push by its stderr, the first match deciding: the error it is and what to do
+# ({node}: the node's name).
+_REGISTRY_FAILURES: tuple[tuple[re.Pattern[str], type[Exception], str], ...] = (
+    (_DAEMON_DOWN, RemoteError, "docker is not running on {node}: start dockerd there"),
+    (_NO_SPACE, ImageError, "free disk space under docker's root dir on {node}"),
+    (
+        _UNREACHABLE,
+        ImageError,
+        "the registry cannot be reached from {node} (no route or no DNS). If the nodes use a"
+        " registry mirror, the mirror does not hold this image and docker fell back to the"
+        " upstream registry: push the image to the mirror or fix the name",
+    ),
+    (_TRANSIENT, TransientRemoteError, "the registry is down or overloaded, retrying"),
+    (
+        _UNKNOWN,
+        ImageError,
+        "the image does not exist in its registry: check the recipe's docker_image (name and tag)",
+    ),
+    (
+        _AUTH,
+        ImageError,
+        "the registry refused the credentials: run `docker login REGISTRY` on {node} as the SSH"
+        " user",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -97,10 +91,6 @@ def on_nodes(targets: Mapping[str, SshTarget], work: Callable[[Runner, str], T])
     """work(connection, node name) on every node at once (sparkdeploy.remote.ssh.on_all)."""
     names = {target: name for name, target in targets.items()}
     return on_all(targets, lambda connection: work(connection, names[connection.target]))
-
-
-def stderr_text(result: CommandResult) -> str:
-    return result.stderr.decode("utf-8", "replace").strip()[-STDERR_TAIL_CHARS:]
 
 
 def docker(
@@ -131,59 +121,10 @@ def registry_error(node: str, image: str, action: str, result: CommandResult) ->
     """The error a failed pull or push of `image` is, judged by docker's stderr."""
     stderr = stderr_text(result)
     where = f"node {node}: {action} {image} failed: {stderr or f'exit {result.exit_code}'}"
-    if _DAEMON_DOWN.search(stderr):
-        return RemoteError(f"{where}; docker is not running on {node}: start dockerd there")
-    if _NO_SPACE.search(stderr):
-        return ImageError(f"{where}; free disk space under docker's root dir on {node}")
-    if _UNREACHABLE.search(stderr):
-        return ImageError(
-            f"{where}; the registry cannot be reached from {node} (no route or no DNS). If the"
-            " nodes use a registry mirror, the mirror does not hold this image and docker fell"
-            " back to the upstream registry: push the image to the mirror or fix the name"
-        )
-    if _TRANSIENT.search(stderr):
-        return TransientRemoteError(f"{where}; the registry is down or overloaded, retrying")
-    if _UNKNOWN.search(stderr):
-        return ImageError(
-            f"{where}; the image does not exist in its registry: check the recipe's"
-            " docker_image (name and tag)"
-        )
-    if _AUTH.search(stderr):
-        return ImageError(
-            f"{where}; the registry refused the credentials: run `docker login REGISTRY` on"
-            f" {node} as the SSH user"
-        )
+    for pattern, error, advice in _REGISTRY_FAILURES:
+        if pattern.search(stderr):
+            return error(f"{where}; {advice.format(node=node)}")
     return RemoteError(where)
-
-
-@cache
-def probe_script(write_code_cache: bool = True) -> str:
-    return build_node_script(node_probe, write_code_cache=write_code_cache)
-
-
-def probe(
-    runner: Runner,
-    node: str,
-    mode: str,
-    request: Mapping[str, Any],
-    *,
-    read_only: bool = False,
-) -> dict[str, Any]:
-    """sparkdeploy.node.probe's answer from the node (see its docstring for the modes);
-    read_only: the script writes nothing there, not even its code cache (a preview)."""
-    result = runner.run_python(
-        probe_script(not read_only),
-        [mode, json.dumps(dict(request))],
-        timeout=PROBE_TIMEOUT_S,
-        check=False,
-    )
-    answer = last_json_line(result.stdout)
-    if result.exit_code != 0 or answer is None:
-        raise RemoteError(
-            f"node {node}: the probe script ({mode}) exited {result.exit_code} without an"
-            f" answer; stderr: {stderr_text(result) or '(empty)'}; is python3 installed there?"
-        )
-    return answer
 
 
 def list_containers(runner: Runner, node: str, label: str) -> list[ContainerInfo]:

@@ -4,6 +4,10 @@ http.client rather than urllib: urllib honours http_proxy from the environment, 
 between the flow host and a node's fabric address would make every probe lie. An engine started
 with an API key (the plan's api_key) answers /v1 with 401 unless the request carries it as
 `Authorization: Bearer KEY`; the key stays a SecretStr up to the header.
+
+The probes ask whether an engine serves: `probe_endpoint` (GET /health, then /v1/models listing
+the served name) and `probe_completion` (one token of COMPLETION_PROMPT); like `scrape_metrics`
+they answer with what they found, never an exception.
 """
 
 from __future__ import annotations
@@ -190,3 +194,76 @@ def scrape_metrics(base_url: str, *, timeout: float = SCRAPE_TIMEOUT_S) -> Scrap
     if reply.status != 200:
         return Scrape(None, f"GET {url}: HTTP {reply.status}")
     return Scrape(parse_metrics(reply.body.decode(errors="replace")))
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    ready: bool
+    detail: str
+    served_names: list[str] | None = None  # what /v1/models listed, once it answered
+
+
+def probe_endpoint(
+    endpoint: str, served_model_name: str, *, timeout: float, api_key: SecretStr | None = None
+) -> ProbeOutcome:
+    """GET /health, then GET /v1/models (with the API key: vLLM guards /v1, never /health);
+    ready when the served name is listed."""
+    base = endpoint.rstrip("/")
+    try:
+        health = request("GET", f"{base}/health", timeout=timeout)
+        if health.status != 200:
+            return ProbeOutcome(False, f"/health answered {health.status}")
+        models = request("GET", f"{base}/v1/models", timeout=timeout, api_key=api_key)
+    except ConnectionRefusedError:
+        return ProbeOutcome(False, "connection refused (the engine is still loading)")
+    except (OSError, http.client.HTTPException) as error:
+        return ProbeOutcome(False, f"{type(error).__name__}: {error}")
+    if models.status == 401:
+        # Not ready will never turn ready: say which key is missing or wrong.
+        return ProbeOutcome(
+            False,
+            "/v1/models answered 401: the engine wants an API key "
+            + ("other than the recipe's" if api_key else "and the recipe sets none")
+            + " (--api-key in args or env.VLLM_API_KEY)",
+        )
+    if models.status != 200:
+        return ProbeOutcome(False, f"/v1/models answered {models.status}")
+    try:
+        names = [str(entry["id"]) for entry in models.json()["data"]]
+    except (ValueError, KeyError, TypeError) as error:
+        return ProbeOutcome(False, f"/v1/models is not an OpenAI model list ({error})")
+    return ProbeOutcome(served_model_name in names, f"/v1/models lists {names}", names)
+
+
+COMPLETION_PROMPT = "Hello"
+
+
+def probe_completion(
+    endpoint: str, served_model_name: str, *, timeout: float, api_key: SecretStr | None = None
+) -> ProbeOutcome:
+    """POST /v1/completions for one token at temperature 0; ready when it answers a choice.
+
+    The first request to a TP > 1 CPU engine builds a kernel (about 20 s): `timeout` should be
+    generous, and this is asked once, not polled.
+    """
+    body = {
+        "model": served_model_name,
+        "prompt": COMPLETION_PROMPT,
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    url = f"{endpoint.rstrip('/')}/v1/completions"
+    try:
+        reply = request("POST", url, timeout=timeout, json_body=body, api_key=api_key)
+    except (OSError, http.client.HTTPException) as error:
+        return ProbeOutcome(False, f"POST /v1/completions: {type(error).__name__}: {error}")
+    if reply.status != 200:
+        text = reply.body[:300].decode(errors="replace")
+        return ProbeOutcome(False, f"POST /v1/completions answered {reply.status}: {text}")
+    try:
+        choices = reply.json()["choices"]
+    except (ValueError, KeyError, TypeError) as error:
+        return ProbeOutcome(False, f"POST /v1/completions: not a completion ({error})")
+    if not choices:
+        return ProbeOutcome(False, "POST /v1/completions answered no choice")
+    return ProbeOutcome(True, "POST /v1/completions answered a choice")

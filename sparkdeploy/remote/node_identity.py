@@ -14,7 +14,8 @@ import re
 from collections.abc import Mapping
 
 from sparkdeploy.errors import RemoteError
-from sparkdeploy.remote.docker_cli import Runner, checked, on_nodes
+from sparkdeploy.remote.docker_cli import checked, on_nodes
+from sparkdeploy.remote.runner import Runner
 from sparkdeploy.remote.ssh import SshTarget
 
 MACHINE_ID_PATH = "/etc/machine-id"

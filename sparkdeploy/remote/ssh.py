@@ -2,51 +2,38 @@
 
 A command is always an argv list; it reaches the node's shell only as `shlex.join(argv)`, so no
 value (from a recipe or anywhere else) is ever interpreted by that shell. Host keys must be in
-the inventory's known_hosts file (RejectPolicy), authentication is by key only, and every
-command has a timeout. Connect failures that may pass (refused, reset, timed out) are retried
-here, with backoff, and nowhere else; they surface as TransientRemoteError when they persist.
+the inventory's known_hosts file (RejectPolicy), authentication is by key only (see
+sparkdeploy.remote.ssh_client), and every command has a timeout. Connect failures that may pass
+(refused, reset, timed out) are retried here, with backoff, and nowhere else; they surface as
+TransientRemoteError when they persist.
 """
 
 from __future__ import annotations
 
 import atexit
-import errno
 import select
 import shlex
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import paramiko
 
 from sparkdeploy.errors import RemoteError, TransientRemoteError
+from sparkdeploy.remote.runner import STDERR_TAIL_CHARS, CommandResult, Runner, StreamEnd
+from sparkdeploy.remote.ssh_client import open_client
 
 T = TypeVar("T")
 
 BACKOFF_S = 0.5
-STDERR_TAIL_CHARS = 2000
 _READ_CHUNK = 65536
 # How often a streaming read wakes up to look at its stop event, deadline and idle time.
 STREAM_POLL_S = 0.1
-# A dead link (no FIN, no RST: a cable pulled, a node frozen) is noticed this fast: SSH keepalives
-# go out every KEEPALIVE_S, and the kernel drops the TCP connection once data has waited
-# LINK_LOST_S for its ACK, which ends the transport and fails the command running on it.
-KEEPALIVE_S = 2
-LINK_LOST_S = 10
 # After the output ends, how long to wait for the command's exit status to arrive.
 EXIT_STATUS_WAIT_S = 5.0
-# Reads the program's source off stdin (length in argv[1]), then runs it as __main__ with
-# argv[1:] = the caller's args and the rest of stdin left for the program.
-_PYTHON_BOOTSTRAP = (
-    "import sys; size = int(sys.argv[1]); source = sys.stdin.buffer.read(size); "
-    "sys.argv = ['-c', *sys.argv[2:]]; "
-    "exec(compile(source, '<sparkdeploy>', 'exec'), {'__name__': '__main__'})"
-)
 
 
 @dataclass(frozen=True)
@@ -62,15 +49,7 @@ class SshTarget:
         return f"{self.user}@{self.host}:{self.port}"
 
 
-@dataclass(frozen=True)
-class CommandResult:
-    argv: tuple[str, ...]
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-
-
-class Connection:
+class Connection(Runner):
     """One SSH connection to one node. Thread-safe: each command opens its own channel."""
 
     def __init__(self, target: SshTarget, client: paramiko.SSHClient) -> None:
@@ -83,12 +62,7 @@ class Connection:
         return transport is not None and transport.is_active()
 
     def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float,
-        stdin: bytes | None = None,
-        check: bool = True,
+        self, argv: Sequence[str], *, timeout: float, stdin: bytes | None = None, check: bool = True
     ) -> CommandResult:
         """Run argv on the node; RemoteError on a non-zero exit (with check) or the timeout."""
         argv, command, channel = self._open_channel(
@@ -199,30 +173,6 @@ class Connection:
             )
         return result
 
-    def run_python(
-        self,
-        source: str,
-        args: Sequence[str],
-        *,
-        timeout: float,
-        stdin: bytes | None = None,
-        check: bool = True,
-    ) -> CommandResult:
-        """Run `source` with the node's python3, standard library only (-I -S: no site
-        packages, none of the user's environment, and no site import to pay for at each start);
-        sys.argv[1:] = args, stdin follows the source.
-
-        The source travels on stdin ahead of the program's own stdin (its length in argv), so
-        its size is not bounded by the kernel's per-argument limit and it needs no quoting.
-        """
-        encoded = source.encode()
-        return self.run(
-            ["python3", "-I", "-S", "-c", _PYTHON_BOOTSTRAP, str(len(encoded)), *args],
-            timeout=timeout,
-            stdin=encoded + (stdin or b""),
-            check=check,
-        )
-
     def stream_lines(
         self,
         argv: Sequence[str],
@@ -264,9 +214,6 @@ class Connection:
 
     def __exit__(self, *_: object) -> None:
         self.close()
-
-
-StreamEnd = Literal["exited", "stopped", "timeout", "idle", "lost"]
 
 
 class LineStream:
@@ -357,91 +304,11 @@ def _tail(data: bytes | bytearray) -> str:
     return repr(text[-STDERR_TAIL_CHARS:]) if text else "(empty)"
 
 
-def _open_client(target: SshTarget) -> paramiko.SSHClient:
-    known_hosts = Path(target.known_hosts).expanduser()
-    identity_file = Path(target.identity_file).expanduser()
-    client = paramiko.SSHClient()
-    try:
-        client.load_host_keys(str(known_hosts))
-    except OSError as error:
-        raise RemoteError(
-            f"{target}: cannot read known_hosts {known_hosts}: {error}; point the inventory's"
-            " known_hosts at a file holding the node's host key"
-        ) from error
-    client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    try:
-        client.connect(
-            target.host,
-            port=target.port,
-            username=target.user,
-            key_filename=str(identity_file),
-            timeout=target.connect_timeout_s,
-            banner_timeout=target.connect_timeout_s,
-            auth_timeout=target.connect_timeout_s,
-            allow_agent=False,
-            look_for_keys=False,
-        )
-    except (TimeoutError, ConnectionError, EOFError) as error:
-        client.close()
-        raise TransientRemoteError(f"{target}: cannot connect: {error!r}") from error
-    except paramiko.BadHostKeyException as error:
-        client.close()
-        raise RemoteError(
-            f"{target}: host key differs from {known_hosts}: {error}; check the node, then"
-            " update known_hosts"
-        ) from error
-    except paramiko.AuthenticationException as error:
-        client.close()
-        raise RemoteError(
-            f"{target}: key authentication with {identity_file} failed: {error}; install the"
-            f" public key in {target.user}'s authorized_keys on the node"
-        ) from error
-    except paramiko.SSHException as error:
-        client.close()
-        if "not found in known_hosts" in str(error):
-            raise RemoteError(
-                f"{target}: host key not in {known_hosts}; add the node's key there"
-                f" (ssh-keyscan -p {target.port} {target.host} >> {known_hosts})"
-            ) from error
-        raise TransientRemoteError(f"{target}: SSH handshake failed: {error}") from error
-    except OSError as error:
-        client.close()
-        if isinstance(error, FileNotFoundError) or not identity_file.exists():
-            raise RemoteError(
-                f"{target}: identity_file {identity_file} cannot be read: {error}"
-            ) from error
-        raise TransientRemoteError(f"{target}: cannot connect: {_why_not(error)}") from error
-    transport = client.get_transport()
-    if transport is not None and isinstance(transport.sock, socket.socket):
-        # Without it, a command's small packets wait out the peer's delayed ACK (Nagle):
-        # measured on the lab, a `true` took 46 ms a round trip instead of 3.
-        transport.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, LINK_LOST_S * 1000)
-    if transport is not None:
-        transport.set_keepalive(KEEPALIVE_S)
-    return client
-
-
-def _why_not(error: OSError) -> str:
-    """A failed connect in words: paramiko's NoValidConnectionsError keeps each address's
-    error (refused, unreachable) inside, and its own text says neither."""
-    if not isinstance(error, paramiko.ssh_exception.NoValidConnectionsError):
-        return repr(error)
-    causes = [
-        f"{address[0]}:{address[1]}: {getattr(cause, 'strerror', None) or cause}"
-        for address, cause in error.errors.items()
-    ]
-    refused = all(
-        getattr(cause, "errno", None) == errno.ECONNREFUSED for cause in error.errors.values()
-    )
-    return "; ".join(causes) + (" (nothing listens there: is sshd running?)" if refused else "")
-
-
 def connect(target: SshTarget, *, attempts: int = 3) -> Connection:
     """A new connection; transient connect failures are retried with exponential backoff."""
     for attempt in range(1, attempts + 1):
         try:
-            return Connection(target, _open_client(target))
+            return Connection(target, open_client(target))
         except TransientRemoteError:
             if attempt == attempts:
                 raise

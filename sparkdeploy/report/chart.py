@@ -1,4 +1,5 @@
-"""Line charts as SVG, for markdown artifacts: figures against concurrency, one panel each.
+"""Line charts as SVG, for markdown artifacts: figures against concurrency (or context depth), one
+panel each.
 
 Written out by hand (no plotting library): a few panels of a few points need none. The picture
 goes into a markdown artifact as `![...](data:image/svg+xml;base64,...)`: Prefect's UI shows an
@@ -25,7 +26,7 @@ DASHES = ("", "6 4", "2 3", "8 3 2 3")
 
 @dataclass(frozen=True)
 class Point:
-    x: int  # the concurrency level
+    x: int  # the concurrency level, or the context depth
     y: float
     spread: float = 0.0  # drawn as an error bar of ±spread
 
@@ -40,6 +41,7 @@ class Series:
 class Panel:
     title: str
     series: tuple[Series, ...]
+    x_label: str = "concurrency"
 
 
 def nice_axis(value: float) -> tuple[float, int]:
@@ -89,12 +91,13 @@ def _panel(panel: Panel, left: float) -> list[str]:
         out.append(
             f'<text x="{x0 - 4:.1f}" y="{y + 4:.1f}" text-anchor="end">{_number(value)}</text>'
         )
-    for level in levels:
-        out.append(
-            f'<text x="{x_of(level):.1f}" y="{y0 + 16:.1f}" text-anchor="middle">{level}</text>'
-        )
+    out.extend(
+        f'<text x="{x_of(level):.1f}" y="{y0 + 16:.1f}" text-anchor="middle">{level}</text>'
+        for level in levels
+    )
     out.append(
-        f'<text x="{x0 + plot_w / 2:.1f}" y="{y0 + 34:.1f}" text-anchor="middle">concurrency</text>'
+        f'<text x="{x0 + plot_w / 2:.1f}" y="{y0 + 34:.1f}" text-anchor="middle">'
+        f"{escape(panel.x_label)}</text>"
     )
     for index, series in enumerate(panel.series):
         colour, dash = COLOURS[index % len(COLOURS)], DASHES[index % len(DASHES)]

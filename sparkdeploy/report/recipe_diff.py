@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from sparkdeploy.report.markdown import markdown_table
 from sparkdeploy.secrecy import MASK
-from sparkdeploy.spec.plan import serve_argv
+from sparkdeploy.spec.container import serve_argv
 from sparkdeploy.spec.recipe import Recipe
 from sparkdeploy.vllm.args import canonical_flag, is_flag
 

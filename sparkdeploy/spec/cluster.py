@@ -16,13 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sparkdeploy.errors import InventoryError, PlanError
-from sparkdeploy.spec.tomlfile import (
-    KeyPath,
-    TomlDocument,
-    format_key,
-    load_toml,
-    validate_document,
-)
+from sparkdeploy.spec.toml_validation import validate_document
+from sparkdeploy.spec.tomlfile import KeyPath, TomlDocument, format_key, load_toml
 
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

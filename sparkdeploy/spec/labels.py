@@ -1,10 +1,10 @@
 """Our container labels, and the check that a container's labels have the form ours have.
 
 Labels are untrusted input: anyone who can start a container on a node can set any label. A
-label value is therefore checked against the form sparkdeploy.spec.plan gives it before it is used
-at all (as part of a log path in teardown, as a recipe name in status, as a deployment to stop
-in boot): deployment `<recipe[:40]>-<8 hex>` (plan.deployment_id), recipe a recipe dir name,
-node the node the container was found on, rank digits. A container whose labels fail is
+label value is therefore checked against the form sparkdeploy.spec.container gives it before it
+is used at all (as part of a log path in teardown, as a recipe name in status, as a deployment
+to stop in boot): deployment `<recipe[:40]>-<8 hex>` (plan.deployment_id), recipe a recipe dir
+name, node the node the container was found on, rank digits. A container whose labels fail is
 reported and left alone. The started-by label is only ever compared with a flow run's id.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from sparkdeploy.spec.plan import LABEL_PREFIX
+from sparkdeploy.spec.container import LABEL_PREFIX
 
 DEPLOYMENT_LABEL = f"{LABEL_PREFIX}deployment"
 RECIPE_LABEL = f"{LABEL_PREFIX}recipe"

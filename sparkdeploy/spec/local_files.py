@@ -1,7 +1,7 @@
 """Which kind of stage a recipe's [[composed_model.local_files]] entry is, and why.
 
-- "engram": a per-rank sparse copy of an Engram table shard (sparkdeploy.node.stage_engram);
-- "plain": the file put whole (sparkdeploy.node.stage_plain): a patched config, a tokenizer, a
+- "engram": a per-rank sparse copy of an Engram table shard (sparkdeploy.node.engram_copy);
+- "plain": the file put whole (sparkdeploy.node.plain_copy): a patched config, a tokenizer, a
   chat template...
 
 The recipe's `kind` wins; a file from the ops host (`from_file`) is plain (an Engram copy is

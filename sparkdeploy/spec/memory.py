@@ -192,13 +192,13 @@ class FitReport(_Data):
             "KV tokens | verdict |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
-        for fit in self.nodes:
-            rows.append(
-                f"| {fit.node} | {human_bytes(fit.weights_bytes)} | "
-                f"{human_bytes(fit.overhead_bytes)} | {human_bytes(fit.kv_cache_bytes)} | "
-                f"{human_bytes(fit.kv_request_bytes)} | {human_bytes(fit.budget_bytes)} | "
-                f"{human_bytes(fit.headroom_bytes)} | {fit.kv_tokens:,} | {fit.verdict} |"
-            )
+        rows.extend(
+            f"| {fit.node} | {human_bytes(fit.weights_bytes)} | "
+            f"{human_bytes(fit.overhead_bytes)} | {human_bytes(fit.kv_cache_bytes)} | "
+            f"{human_bytes(fit.kv_request_bytes)} | {human_bytes(fit.budget_bytes)} | "
+            f"{human_bytes(fit.headroom_bytes)} | {fit.kv_tokens:,} | {fit.verdict} |"
+            for fit in self.nodes
+        )
         return rows
 
     def markdown(self) -> str:

@@ -14,7 +14,8 @@ from pathlib import Path
 from sparkdeploy.errors import RecipeError, SparkDeployError
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.plan import Plan, make_plan
-from sparkdeploy.spec.recipe import Recipe, load_recipe, recipe_id_for, recipe_paths
+from sparkdeploy.spec.recipe import Recipe
+from sparkdeploy.spec.recipe_loading import load_recipe, recipe_id_for, recipe_paths
 from sparkdeploy.spec.tomlfile import load_toml
 
 ROOT_ENV = "SPARKDEPLOY_ROOT"

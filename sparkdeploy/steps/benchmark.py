@@ -9,7 +9,8 @@ the gaps between token chunks (inter-token latency, ITL), end to end (E2E); per 
 p50/p90/p99, output tokens/s and requests/s over the level's wall time, errors, and the engine's
 own count from /metrics before and after (sparkdeploy.vllm.metrics). Each level runs `repeats`
 times; a figure is the median of its runs with their spread (half the range), the noise a
-comparison allows for (sparkdeploy.steps.compare).
+comparison allows for (sparkdeploy.report.verdicts). What each figure is, and the artifacts'
+tables, are sparkdeploy.report.benchmark_figures and benchmark_tables.
 
 The client is threads over the smoke test's HTTP client (sparkdeploy.steps.smoke_test.chat_stream).
 Its own cost is measured: the CPU time of each request's thread, and at the highest level the share
@@ -20,11 +21,9 @@ CLIENT_BOUND_CORES the client, not the engine, may be what limits the figures.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import os
-import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -32,28 +31,40 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from sparkdeploy.errors import BenchmarkError
 from sparkdeploy.remote import engine_http
 from sparkdeploy.report import chart
-from sparkdeploy.report.markdown import markdown_table
-from sparkdeploy.steps.smoke_test import (
-    FUNCTION_WORDS,
-    SmokeSettings,
-    StreamedReply,
-    chat,
-    chat_stream,
+from sparkdeploy.report.benchmark_figures import (
+    DEPTH_FIGURES,
+    FIGURES,
+    Spread,
+    chart_panels,
+    percentile,
 )
+from sparkdeploy.report.benchmark_tables import figures_table, level_rows
+from sparkdeploy.steps.benchmark_depth import (
+    DepthResult,
+    depths_for,
+    engine_max_model_len,
+    run_depths,
+)
+from sparkdeploy.steps.benchmark_requests import (
+    PromptSize,
+    RequestSample,
+    size_prompt,
+    synthetic_prompt,
+    timed_request,
+)
+from sparkdeploy.steps.smoke_test import SmokeSettings
 from sparkdeploy.vllm import metrics as engine_metrics
 from sparkdeploy.vllm.metrics import EngineMetrics
 
-CALIBRATION_PROBES = 4
 # Above this share of one core the client's threads queue for the GIL and add to the latencies.
 CLIENT_BOUND_CORES = 0.5
-PROMPT_VOCABULARY = tuple(sorted(FUNCTION_WORDS))
 
 
 class BenchmarkSettings(BaseModel):
@@ -94,61 +105,16 @@ class BenchmarkSettings(BaseModel):
     request_timeout_s: float = Field(
         default=300.0, gt=0, description="Seconds a single request may take."
     )
+    decode_depths: list[Annotated[int, Field(ge=0)]] = Field(
+        default=[0, 8192],
+        description="Context depths (tokens) at which one request alone measures the decode "
+        "rate, `repeats` times each: d0 and d8192 as the field's bisects report them. A depth "
+        "that with the output does not fit in the engine's max-model-len is lowered to what "
+        "fits, with a note. [] measures none.",
+    )
 
 
 DEFAULT_SETTINGS = BenchmarkSettings()  # frozen: one instance serves as every default
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-quantile with linear interpolation (numpy's default, as vllm bench reports)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def synthetic_prompt(words: int, seed: int) -> str:
-    """`words` common English words drawn with `seed`: every request its own prompt, so the
-    prefix cache helps no more than with real traffic."""
-    rng = random.Random(seed)
-    return " ".join(rng.choice(PROMPT_VOCABULARY) for _ in range(words))
-
-
-@dataclass(frozen=True)
-class PromptSize:
-    target: int  # input_tokens asked for
-    words: int  # synthetic words that make it
-    counted: int  # what the engine counted for the calibration prompt
-
-
-def size_prompt(settings: SmokeSettings, target: int) -> PromptSize:
-    """The number of words whose prompt the engine counts as `target` tokens (or as close as
-    it gets: a chat template alone may exceed a small target)."""
-    probe = dataclasses.replace(settings, max_tokens=1, extra_body={})
-    words, best = target, None
-    for _ in range(CALIBRATION_PROBES):
-        reply = chat(probe, "prompt sizing", synthetic_prompt(words, seed=-1))
-        if reply.error is not None:
-            raise BenchmarkError(
-                f"sizing the prompt at {settings.base_url}: {reply.error}; is the deployment "
-                "up and ready (sparkdeploy status, or deploy it first)?"
-            )
-        counted = reply.usage.get("prompt_tokens")
-        if not isinstance(counted, int) or counted <= 0:
-            raise BenchmarkError(
-                f"{settings.base_url} answered without usage.prompt_tokens: the benchmark "
-                "needs the engine's token counts (an OpenAI-compatible vLLM server gives them)"
-            )
-        if best is None or abs(counted - target) < abs(best.counted - target):
-            best = PromptSize(target, words, counted)
-        if counted == target:
-            break
-        words = max(1, words + round((target - counted) * words / counted))
-    assert best is not None
-    return best
 
 
 def levels_for(requested: Sequence[int], max_num_seqs: int | None) -> tuple[list[int], str | None]:
@@ -162,91 +128,6 @@ def levels_for(requested: Sequence[int], max_num_seqs: int | None) -> tuple[list
             "the recipe's --max-num-seqs"
         )
     return levels, note
-
-
-@dataclass(frozen=True)
-class RequestSample:
-    started_s: float  # since the level run's start
-    ttft_s: float | None
-    e2e_s: float
-    itl_s: tuple[float, ...]
-    prompt_tokens: int
-    output_tokens: int
-    client_cpu_s: float  # CPU time of the request's thread
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def decode_tok_s(self) -> float | None:
-        """This request's decode rate: the tokens after the first over the time they took."""
-        decode_s = sum(self.itl_s)
-        if self.output_tokens < 2 or decode_s <= 0:
-            return None
-        return (self.output_tokens - 1) / decode_s
-
-
-def _sample(streamed: StreamedReply, started_s: float, cpu_s: float) -> RequestSample:
-    reply, times = streamed.reply, streamed.token_times_s
-    output = reply.usage.get("completion_tokens")
-    error = reply.error
-    if error is None and not isinstance(output, int):
-        error = "the stream ended without a usage chunk"
-    return RequestSample(
-        started_s=started_s,
-        ttft_s=streamed.ttft_s,
-        e2e_s=reply.seconds,
-        itl_s=tuple(later - earlier for earlier, later in itertools.pairwise(times)),
-        prompt_tokens=int(reply.usage.get("prompt_tokens") or 0),
-        output_tokens=output if isinstance(output, int) else 0,
-        client_cpu_s=cpu_s,
-        error=error,
-    )
-
-
-Better = Literal["lower", "higher"]
-
-
-Kind = Literal["latency", "rate", "count", "info"]
-
-
-@dataclass(frozen=True)
-class FigureSpec:
-    name: str
-    label: str  # for people: what and in which unit
-    kind: Kind  # info: says what happened (tokens, client CPU), not how well
-    better: Better | None = None
-    scale: float = 1.0  # the label's unit per stored unit (seconds shown as ms: 1000)
-    # For a percentile over the run's requests: its quantile (a p99 of 30 requests is their
-    # maximum, which says little: sparkdeploy.steps.compare judges it only with enough requests).
-    request_quantile: float | None = None
-
-
-FIGURES: tuple[FigureSpec, ...] = (
-    FigureSpec("ttft_p50_s", "TTFT p50 (ms)", "latency", "lower", 1000, 0.5),
-    FigureSpec("ttft_p90_s", "TTFT p90 (ms)", "latency", "lower", 1000, 0.9),
-    FigureSpec("ttft_p99_s", "TTFT p99 (ms)", "latency", "lower", 1000, 0.99),
-    FigureSpec("itl_p50_s", "ITL p50 (ms)", "latency", "lower", 1000),
-    FigureSpec("itl_p90_s", "ITL p90 (ms)", "latency", "lower", 1000),
-    FigureSpec("itl_p99_s", "ITL p99 (ms)", "latency", "lower", 1000),
-    FigureSpec("e2e_p50_s", "E2E p50 (s)", "latency", "lower", request_quantile=0.5),
-    FigureSpec("e2e_p90_s", "E2E p90 (s)", "latency", "lower", request_quantile=0.9),
-    FigureSpec("e2e_p99_s", "E2E p99 (s)", "latency", "lower", request_quantile=0.99),
-    FigureSpec("output_tok_s", "output tok/s", "rate", "higher"),
-    FigureSpec("requests_s", "requests/s", "rate", "higher"),
-    FigureSpec("decode_tok_s_p50", "decode tok/s per request (p50)", "rate", "higher", 1, 0.5),
-    FigureSpec("errors", "errors", "count", "lower"),
-    FigureSpec("prompt_tokens_mean", "prompt tokens (engine's count)", "info"),
-    FigureSpec("engine_generation_tokens", "engine: generation tokens", "info"),
-    FigureSpec("engine_ttft_mean_s", "engine: TTFT mean (ms)", "latency", "lower", 1000),
-    FigureSpec("engine_preemptions", "engine: preemptions", "count", "lower"),
-    FigureSpec("engine_prefix_cache_hit_rate", "engine: prefix-cache hit rate", "info"),
-    FigureSpec("client_cpu_ms_per_request", "client CPU per request (ms)", "info"),
-    FigureSpec("client_cpu_cores", "client CPU (share of one core)", "info"),
-)
-FIGURE_BY_NAME = {spec.name: spec for spec in FIGURES}
 
 
 @dataclass(frozen=True)
@@ -293,19 +174,6 @@ class LevelRun:
             if "ttft_mean_s" in engine:
                 figures["engine_ttft_mean_s"] = engine["ttft_mean_s"]
         return figures
-
-
-@dataclass(frozen=True)
-class Spread:
-    """A figure over the runs of a level: the median and half the range."""
-
-    value: float
-    spread: float
-    values: tuple[float, ...]
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Spread:
-        return cls(statistics.median(values), (max(values) - min(values)) / 2, tuple(values))
 
 
 @dataclass(frozen=True)
@@ -356,9 +224,15 @@ class BenchmarkResult:
     lowered: str | None  # the note of levels_for
     started_at: str  # UTC, ISO 8601 (2025-01-31T12:00:00Z)
     label: str = ""  # the compare side, or the recipe
+    depths: tuple[DepthResult, ...] = ()
+    depths_lowered: str | None = None  # the note of depths_for
 
     def figures(self) -> dict[int, dict[str, Spread]]:
         return {level.concurrency: level.figures() for level in self.levels}
+
+    def depth_figures(self) -> dict[int, dict[str, Spread]]:
+        """By depth as asked (a lowered one's context is its depth_context_tokens)."""
+        return {depth.depth: depth.figures() for depth in self.depths}
 
     @property
     def client_check(self) -> ClientCheck:
@@ -390,17 +264,7 @@ class BenchmarkResult:
         return dataclasses.asdict(self)
 
     def table_rows(self) -> list[dict[str, str]]:
-        """One row per level for a Prefect table artifact: each figure as median ± spread."""
-        rows = []
-        for level in self.levels:
-            row = {"concurrency": str(level.concurrency)}
-            for name, spread in level.figures().items():
-                row[FIGURE_BY_NAME[name].label] = format_spread(name, spread)
-            rows.append(row)
-        return rows
-
-    def chart_panels(self) -> list[chart.Panel]:
-        return chart_panels({self.label or self.served_model_name: self})
+        return level_rows(self.figures())
 
     def markdown(self, raw_path: str | None = None) -> str:
         settings = BenchmarkSettings.model_validate(self.settings)
@@ -414,72 +278,30 @@ class BenchmarkResult:
             "",
             chart.markdown_image("throughput and latency against concurrency", self.chart_svg()),
             "",
-            *markdown_table(
-                ["figure", *(f"c={level.concurrency}" for level in self.levels)],
-                [
-                    [
-                        spec.label,
-                        *(
-                            format_spread(spec.name, level.figures().get(spec.name))
-                            for level in self.levels
-                        ),
-                    ]
-                    for spec in FIGURES
-                ],
-            ),
+            *figures_table(self.figures()),
             "",
             self.client_check.text() + ".",
         ]
         if self.lowered:
             lines += ["", f"Levels: {self.lowered}."]
+        if self.depths:
+            lines += [
+                "",
+                f"Decode at a context depth: one request alone after that many tokens of "
+                f"context, {settings.output_tokens} output tokens, run {settings.repeats} times.",
+                "",
+                *figures_table(self.depth_figures(), DEPTH_FIGURES, "d"),
+            ]
+        if self.depths_lowered:
+            lines += ["", f"Depths: {self.depths_lowered}."]
         lines += [f"- {note}" for note in self.engine_disagreements()]
         if raw_path:
             lines += ["", f"Every request's figures: `{raw_path}`."]
         return "\n".join(lines)
 
     def chart_svg(self) -> str:
-        return chart.svg(self.chart_panels())
-
-
-CHART_FIGURES = (
-    ("output tok/s", "output_tok_s"),
-    ("TTFT p50 (ms)", "ttft_p50_s"),
-    ("E2E p50 (s)", "e2e_p50_s"),
-)
-
-
-def chart_panels(results: dict[str, BenchmarkResult]) -> list[chart.Panel]:
-    """Throughput and latency against concurrency, one series per result."""
-    panels = []
-    for title, name in CHART_FIGURES:
-        scale = FIGURE_BY_NAME[name].scale
-        series = []
-        for label, result in results.items():
-            points = [
-                chart.Point(level, spread.value * scale, spread.spread * scale)
-                for level, figures in result.figures().items()
-                if (spread := figures.get(name)) is not None
-            ]
-            series.append(chart.Series(label, tuple(points)))
-        panels.append(chart.Panel(title, tuple(series)))
-    return panels
-
-
-def format_value(name: str, value: float) -> str:
-    spec = FIGURE_BY_NAME.get(name)
-    scaled = value * (spec.scale if spec else 1.0)
-    if name == "engine_prefix_cache_hit_rate":
-        return f"{value:.1%}"
-    if scaled == int(scaled) and abs(scaled) < 1e6:
-        return f"{scaled:.0f}"
-    return f"{scaled:.3g}" if abs(scaled) < 100 else f"{scaled:.0f}"
-
-
-def format_spread(name: str, spread: Spread | None) -> str:
-    if spread is None:
-        return "—"
-    text = format_value(name, spread.value)
-    return text if spread.spread == 0 else f"{text} ± {format_value(name, spread.spread)}"
+        label = self.label or self.served_model_name
+        return chart.svg(chart_panels({label: self.figures()}, {label: self.depth_figures()}))
 
 
 Progress = Callable[[str], None]
@@ -495,9 +317,7 @@ def run_level(
     def one(index: int) -> RequestSample:
         seed = (concurrency * 1_000 + repeat) * 100_000 + index
         request_prompt = synthetic_prompt(prompt.words, seed)
-        cpu_before, sent = time.thread_time(), time.monotonic()
-        streamed = chat_stream(settings, f"c{concurrency} #{index}", request_prompt)
-        return _sample(streamed, sent - started, time.thread_time() - cpu_before)
+        return timed_request(settings, f"c{concurrency} #{index}", request_prompt, started)
 
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="bench") as pool:
         samples = tuple(pool.map(one, range(max(requests, concurrency))))
@@ -548,6 +368,11 @@ def run_benchmark(
             )
             runs.append(run)
         results.append(LevelResult(concurrency, tuple(runs)))
+    depths, depths_lowered = depths_for(
+        settings.decode_depths, engine_max_model_len(target), settings.output_tokens
+    )
+    if depths_lowered:
+        progress(depths_lowered)
     return BenchmarkResult(
         base_url=target.base_url,
         served_model_name=target.served_model_name,
@@ -557,6 +382,8 @@ def run_benchmark(
         lowered=lowered,
         started_at=started_at,
         label=label,
+        depths=run_depths(request, depths, settings.repeats, prompt, progress),
+        depths_lowered=depths_lowered,
     )
 
 

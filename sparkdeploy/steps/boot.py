@@ -33,13 +33,12 @@ from sparkdeploy.errors import ContainerStartError
 from sparkdeploy.remote.docker_cli import (
     ContainerInfo,
     Log,
-    Runner,
     docker,
     list_containers,
     on_nodes,
-    probe,
-    stderr_text,
 )
+from sparkdeploy.remote.node_probe import probe
+from sparkdeploy.remote.runner import Runner, stderr_text
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.secrecy import redact
 from sparkdeploy.spec.labels import DEPLOYMENT_LABEL, STARTED_BY_LABEL, label_problems
@@ -189,11 +188,11 @@ def _node_problems(plan: Plan, node: NodePlan, answer: dict[str, Any]) -> list[s
             f"image {node.container.image} is not there: run the image step first"
             " (sparkdeploy.steps.image.ensure_image)"
         )
-    for path in answer["missing_paths"]:
-        problems.append(
-            f"{path} does not exist (a mount source of the container): run the prefetch/compose"
-            " steps, or check the inventory's nas and node_paths"
-        )
+    problems.extend(
+        f"{path} does not exist (a mount source of the container): run the prefetch/compose"
+        " steps, or check the inventory's nas and node_paths"
+        for path in answer["missing_paths"]
+    )
     if node.container.gpus and not answer["gpus"]:
         problems.append(
             "no GPU visible (`nvidia-smi -L` lists none or is missing): check the driver, or set"

@@ -1,20 +1,24 @@
-"""The A/B comparison: two sides deployed, smoke-tested, benchmarked, torn down, side by side.
+"""The A/B comparison: two sides deployed, smoke-tested, quality-gated, benchmarked, torn down,
+side by side.
 
-A side is a recipe, or a recipe with flags, env or image overridden (written out as a variant
-recipe: sparkdeploy.spec.recipe_variant). The sides run one after the other on shared nodes (A torn
-down before B deploys) or at once on disjoint nodes (`place_sides`). The result is one table:
-every smoke check, every benchmark figure at every level, the boot's phases and the figures the
-head's log gave, each with B's difference from A and a verdict: better, worse, or same within
-noise. A figure of the benchmark is the median of its repeated runs; B/A counts when it is
-beyond both sides' spreads (half the range of their runs, as ratios) and beyond a floor
-(`NoiseRule.verdict`). A boot happens once per side, so its figures get a fixed tolerance
-instead, which the table states. A side that fails (deploy, boot, smoke, benchmark) is shown
-failed with its cause; the other side's figures are still there.
+A side is a recipe, or a recipe with flags, env, image or checkpoint (model repo or revision)
+overridden (written out as a variant recipe: sparkdeploy.spec.recipe_variant; a swapped
+checkpoint is asked of the hub before anything is deployed: `checkpoint_problems`). The sides run
+one after the other on shared nodes (A torn down before B deploys) or at once on disjoint nodes
+(`place_sides`). The result is one table (sparkdeploy.steps.compare_outcome): every smoke check,
+each eval's score, every benchmark figure at every level and context depth, the boot's phases and
+the figures the head's log gave, each with B's difference from A and a verdict: better, worse, or
+same within noise. A figure of the benchmark, or an eval's score, is the median of its repeated
+runs; B/A counts when it is beyond both sides' spreads (half the range of their runs, as ratios)
+and beyond a floor (`NoiseRule.verdict`: the rules are sparkdeploy.report.verdicts). A boot
+happens once per side, so its figures get a fixed tolerance instead, which the table states. A
+ship rule ("quality>=88, decode@8192 not worse": sparkdeploy.report.ship_rule) is judged on the
+table. A side that fails (deploy, boot, smoke, benchmark) is shown failed with its cause; the
+other side's figures are still there.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,31 +27,26 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkdeploy.errors import CompareError, EngineFailure
+from sparkdeploy.errors import CompareError
 from sparkdeploy.report import chart
+from sparkdeploy.report.benchmark_figures import chart_panels
+from sparkdeploy.report.benchmark_tables import comparison_table
 from sparkdeploy.report.markdown import markdown_table
 from sparkdeploy.report.recipe_diff import RecipeDiff, diff_recipes
+from sparkdeploy.report.ship_rule import ShipRule, ShipVerdict, judge_rule, parse_ship_rule
+from sparkdeploy.report.verdicts import NoiseRule, Row
 from sparkdeploy.secrecy import MASK
 from sparkdeploy.spec.cluster import Cluster
 from sparkdeploy.spec.plan import make_plan
 from sparkdeploy.spec.project import find_recipe
-from sparkdeploy.spec.recipe import Recipe, load_recipe
+from sparkdeploy.spec.recipe import Recipe, RepoRef
+from sparkdeploy.spec.recipe_loading import load_recipe
 from sparkdeploy.spec.recipe_variant import recipe_at_revision, write_variant
-from sparkdeploy.steps.benchmark import (
-    FIGURES,
-    BenchmarkResult,
-    Better,
-    FigureSpec,
-    Spread,
-    chart_panels,
-    format_spread,
-    format_value,
-)
-from sparkdeploy.steps.smoke_test import SmokeReport
-from sparkdeploy.steps.summary import DeploySummary
+from sparkdeploy.steps.compare_outcome import SideOutcome, judge_subject, side_rows
+from sparkdeploy.steps.prefetch import HubAccess
+from sparkdeploy.steps.prefetch.preview import preview_repos
 
 Placement = Literal["auto", "sequential", "at_once"]
-Verdict = Literal["better", "worse", "same", "—"]
 
 
 class CompareSide(BaseModel):
@@ -75,14 +74,30 @@ class CompareSide(BaseModel):
     docker_image: str | None = Field(
         default=None, description="Another image for the recipe (a rebuilt one, a new tag)."
     )
+    model: str | None = Field(
+        default=None,
+        description="Another checkpoint: a Hugging Face repo (org/name) served in the recipe's "
+        "model's place (a composed source that is the model too); prefetched like any.",
+    )
+    model_revision: str | None = Field(
+        default=None,
+        description="The checkpoint's revision (a commit sha is best, or a branch or tag): of "
+        "`model`, or alone of the recipe's own model.",
+    )
     nodes: list[str] | None = Field(
         default=None,
         description="The side's nodes in rank order (default: chosen by placement).",
     )
 
     @property
+    def swaps_checkpoint(self) -> bool:
+        return self.model is not None or self.model_revision is not None
+
+    @property
     def has_overrides(self) -> bool:
-        return bool(self.args or self.drop_args or self.env or self.docker_image)
+        return bool(
+            self.args or self.drop_args or self.env or self.docker_image or self.swaps_checkpoint
+        )
 
     def describe(self, recipe: Recipe) -> str:
         """The recipe and the overrides, for people; a secret env value as ***."""
@@ -99,6 +114,8 @@ class CompareSide(BaseModel):
             parts.append("env " + " ".join(shown))
         if self.docker_image:
             parts.append(f"image {self.docker_image}")
+        if self.swaps_checkpoint:
+            parts.append(f"model {self.model or recipe.model}@{self.model_revision or 'main'}")
         at = f" at {self.revision}" if self.revision else ""
         return self.recipe + at + (f" with {'; '.join(parts)}" if parts else "")
 
@@ -111,6 +128,8 @@ class PreparedSide:
     description: str
     nodes: list[str]
     deployment_id: str
+    checkpoint: RepoRef | None = None  # the checkpoint the side swapped in, if it swapped one
+    evals: tuple[str, ...] = ()  # its recipe's [quality] evals, run after its smoke test
 
 
 @dataclass(frozen=True)
@@ -120,10 +139,28 @@ class PreparedComparison:
     at_once: bool
     placement: str  # how the sides are placed, in words
     diff: RecipeDiff
+    ship_rule: ShipRule | None = None
 
     @property
     def sides(self) -> tuple[PreparedSide, PreparedSide]:
         return self.a, self.b
+
+
+def checked_ship_rule(text: str, evals_b: Sequence[str]) -> ShipRule:
+    """The rule parsed, its evals checked against those side B's recipe runs."""
+    rule = parse_ship_rule(text)
+    for name in rule.evals:
+        if name == "quality" and len(evals_b) != 1:
+            raise CompareError(
+                f"ship_if: `quality` names side B's only eval, but its recipe's [quality] has "
+                f"{', '.join(evals_b) if evals_b else 'none'}: name the eval"
+            )
+        if name != "quality" and name not in evals_b:
+            raise CompareError(
+                f"ship_if names the eval {name!r}, which side B's recipe does not run (its "
+                f"[quality] evals: {', '.join(evals_b) or 'none'}; docs/quality.md)"
+            )
+    return rule
 
 
 def place_sides(
@@ -170,9 +207,11 @@ def prepare(
     *,
     variants: Path,
     root: Path | None = None,
+    ship_if: str | None = None,
 ) -> PreparedComparison:
     """Both sides' recipes loaded (variants written and checked), their nodes placed and
-    planned: every input problem is found here, before anything is deployed."""
+    planned, the ship rule read: every input problem is found here, before anything is
+    deployed."""
     loaded = []
     for label, side in (("A", side_a), ("B", side_b)):
         what = f"side {label}"
@@ -191,6 +230,8 @@ def prepare(
                 drop_args=side.drop_args,
                 env=side.env,
                 docker_image=side.docker_image,
+                model=side.model,
+                model_revision=side.model_revision,
                 what=what,
             )
             argument, recipe = str(path.parent), load_recipe(path)
@@ -210,261 +251,43 @@ def prepare(
             description,
             nodes,
             make_plan(recipe, cluster, nodes).deployment_id,
+            RepoRef(repo=recipe.model, revision=recipe.model_revision)
+            if side.swaps_checkpoint
+            else None,
+            tuple(recipe.quality.eval_names) if recipe.quality else (),
         )
-        for (label, _, argument, recipe, description), nodes in zip(
+        for (label, side, argument, recipe, description), nodes in zip(
             loaded, (nodes_a, nodes_b), strict=True
         )
     )
     diff = diff_recipes(
         recipe_a, recipe_b, a_name=f"A: {a.description}", b_name=f"B: {b.description}"
     )
-    return PreparedComparison(a, b, at_once, how, diff)
+    rule = checked_ship_rule(ship_if, b.evals) if ship_if is not None else None
+    return PreparedComparison(a, b, at_once, how, diff, rule)
 
 
-# ---------------------------------------------------------------------------------------------
-# What a side did
-
-
-CAUSE_MAX_CHARS = 400
-
-
-def failure_cause(error: BaseException) -> str:
-    """A failure named for the table: an engine failure's kind, node and cause, else the
-    error's type and message on one line (many say where on the first and what on the next)."""
-    if isinstance(error, EngineFailure):
-        named = (
-            error.cause if error.cause.startswith(error.kind) else f"{error.kind}: {error.cause}"
-        )
-        return f"{named} (on {error.node})"
-    text = " ".join(str(error).split())
-    if len(text) > CAUSE_MAX_CHARS:
-        text = text[: CAUSE_MAX_CHARS - 1] + "…"
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-@dataclass(frozen=True)
-class SideOutcome:
-    """What one side's run gave; `failed_at` names the step that failed, if one did."""
-
-    label: str
-    summary: DeploySummary | None = None
-    smoke: SmokeReport | None = None
-    benchmark: BenchmarkResult | None = None
-    failed_at: str | None = None  # deploy, smoke, benchmark, teardown, side
-    cause: str | None = None
-    flow_run_id: str | None = None  # the side's flow run (set by the compare flow)
-
-    @property
-    def ok(self) -> bool:
-        return self.failed_at is None
-
-    def state_text(self) -> str:
-        if self.ok:
-            return "deployed, smoke passed, benchmarked, torn down"
-        return f"FAILED at {self.failed_at}: {self.cause}"
-
-
-def smoke_failure(report: SmokeReport) -> str:
-    return "; ".join(f"{check.name}: {check.evidence}" for check in report.failed)
-
-
-# ---------------------------------------------------------------------------------------------
-# Verdicts
-
-
-# A percentile over requests is judged only when at least this many requests of each run lie
-# beyond it: below, it is (nearly) the run's slowest request, which says little.
-TAIL_MIN_BEYOND = 2
-
-
-@dataclass(frozen=True)
-class NoiseRule:
-    """How big a difference must be to count."""
-
-    # Benchmark figures: B/A beyond this share, and beyond both sides' spreads (as ratios).
-    relative: float = 0.10
-    latency_floor_s: float = 0.002  # timer and scheduling jitter of one request
-    count_floor: float = 0.5  # errors, preemptions: a whole one differs
-    # One-sample figures (a boot per side): this share, and at least boot_floor_s for seconds.
-    single_relative: float = 0.25
-    boot_floor_s: float = 1.0
-    # Deterministic figures of the log (KV cache tokens, GiB): this share.
-    exact_relative: float = 0.01
-
-    def verdict(self, spec: FigureSpec, a: Spread, b: Spread, requests_per_run: int) -> Verdict:
-        """B against A. Serving figures vary by factors (a busy host slows everything in
-        proportion), so they are compared as ratios: the same when B/A is within both sides'
-        spreads (half the range of their runs, as ratios: about two standard deviations of a
-        median of three) or within `relative`. Counts, which may be 0, are compared as
-        differences."""
-        if spec.better is None:
-            return "—"
-        if spec.request_quantile is not None:
-            beyond = requests_per_run * (1 - spec.request_quantile)
-            if beyond < TAIL_MIN_BEYOND:
-                return "—"
-        difference = b.value - a.value
-        floor = {"latency": self.latency_floor_s, "count": self.count_floor}.get(spec.kind, 0.0)
-        if abs(difference) <= floor:
-            return "same"
-        values = (*a.values, *b.values)
-        if spec.kind == "count" or min(values) <= 0:
-            band = max(a.spread + b.spread, self.relative * max(abs(a.value), abs(b.value)))
-            return judge(difference, band, spec.better)
-        band = max(_log_spread(a) + _log_spread(b), math.log1p(self.relative))
-        return judge(math.log(b.value / a.value), band, spec.better)
-
-    def text(self) -> str:
-        return (
-            f"benchmark figures: median of the repeated runs ± half their range; same when "
-            f"B/A is within both sides' spreads taken as ratios or within ±{self.relative:.0%} "
-            f"(a difference under {1000 * self.latency_floor_s:g} ms of latency or "
-            f"{self.count_floor:g} of a count is the same); a p90/p99 over fewer than "
-            f"{TAIL_MIN_BEYOND} requests per run beyond it is shown, not judged. Boot figures "
-            f"(one boot per side): same within {self.single_relative:.0%} or "
-            f"{self.boot_floor_s:g} s; the log's memory and KV figures within "
-            f"{self.exact_relative:.0%}."
-        )
-
-
-def _log_spread(figure: Spread) -> float:
-    """Half the range of the runs as a ratio: ln(max/min) / 2."""
-    return (math.log(max(figure.values)) - math.log(min(figure.values))) / 2
-
-
-def judge(difference: float, band: float, better: Better | None) -> Verdict:
-    if abs(difference) <= band:
-        return "same"
-    if better is None:
-        return "—"
-    improved = difference < 0 if better == "lower" else difference > 0
-    return "better" if improved else "worse"
-
-
-@dataclass(frozen=True)
-class Row:
-    group: str  # smoke, boot, log, or the benchmark level ("c=4")
-    figure: str
-    a: str
-    b: str
-    difference: str
-    verdict: Verdict
-
-
-def _difference_text(a: float, b: float, show: str) -> str:
-    change = f" ({(b - a) / abs(a):+.0%})" if a else ""
-    sign = "+" if b >= a else "−"
-    return f"{sign}{show}{change}"
-
-
-def _smoke_rows(a: SideOutcome, b: SideOutcome) -> list[Row]:
-    checks_a = {check.name: check for check in (a.smoke.checks if a.smoke else [])}
-    checks_b = {check.name: check for check in (b.smoke.checks if b.smoke else [])}
-    rows = []
-    for name in [*checks_a, *(name for name in checks_b if name not in checks_a)]:
-        ca, cb = checks_a.get(name), checks_b.get(name)
-        text_a = "—" if ca is None else ("pass" if ca.passed else "FAIL")
-        text_b = "—" if cb is None else ("pass" if cb.passed else "FAIL")
-        verdict: Verdict = "—"
-        if ca is not None and cb is not None:
-            verdict = "same" if ca.passed == cb.passed else ("better" if cb.passed else "worse")
-        rows.append(Row("smoke", name, text_a, text_b, "", verdict))
-    return rows
-
-
-# The head log's figures (sparkdeploy.vllm.markers): which way is better, and whether they are
-# timings (noisy) or amounts the configuration fixes.
-LOG_FIGURES: dict[str, tuple[str, Better, bool]] = {
-    "weights_load_s": ("weights loaded in (s)", "lower", True),
-    "model_load_s": ("model loaded in (s)", "lower", True),
-    "init_engine_s": ("engine init: profile, KV cache, warm-up (s)", "lower", True),
-    "model_load_gib": ("model weights (GiB)", "lower", False),
-    "kv_cache_gib": ("KV cache memory (GiB)", "higher", False),
-    "kv_cache_tokens": ("KV cache (tokens)", "higher", False),
-    "max_concurrency": ("max concurrency at max-model-len (x)", "higher", False),
-}
-
-
-def _number(value: float | None) -> str:
-    if value is None:
-        return "—"
-    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-
-
-def _single_row(
-    group: str,
-    label: str,
-    values: tuple[float | None, float | None],
-    better: Better,
-    timing: bool,
-    noise: NoiseRule,
-) -> Row:
-    """A figure measured once per side: a timing within the boot tolerance, an amount the
-    configuration fixes within exact_relative."""
-    a, b = values
-    if a is None or b is None:
-        return Row(group, label, _number(a), _number(b), "", "—")
-    scale = max(abs(a), abs(b))
-    band = (
-        max(noise.single_relative * scale, noise.boot_floor_s)
-        if timing
-        else noise.exact_relative * scale
-    )
-    difference = _difference_text(a, b, _number(abs(b - a)))
-    return Row(group, label, _number(a), _number(b), difference, judge(b - a, band, better))
-
-
-def _union(first: Mapping[str, float], second: Mapping[str, float]) -> list[str]:
-    return [*first, *(key for key in second if key not in first)]
-
-
-def _boot_rows(a: SideOutcome, b: SideOutcome, noise: NoiseRule) -> list[Row]:
-    """The boot from the containers' start to ready and its phases (the head's markers on the
-    readiness timeline), and the head log's figures. The deploy's other steps (prefetch,
-    image, compose) measure the caches of the pipeline, not the recipe: not compared."""
-    sa, sb = a.summary, b.summary
-    ready = (sa.ready_after_s if sa else None, sb.ready_after_s if sb else None)
-    rows = [_single_row("boot", "ready after (s)", ready, "lower", True, noise)]
-    markers_a = sa.head_markers_s if sa else {}
-    markers_b = sb.head_markers_s if sb else {}
-    for marker in _union(markers_a, markers_b):
-        values = (markers_a.get(marker), markers_b.get(marker))
-        rows.append(_single_row("boot", f"head: {marker} at (s)", values, "lower", True, noise))
-    figures_a = sa.head_figures if sa else {}
-    figures_b = sb.head_figures if sb else {}
-    for name, (label, better, timing) in LOG_FIGURES.items():
-        if name in figures_a or name in figures_b:
-            values = (figures_a.get(name), figures_b.get(name))
-            rows.append(_single_row("log", label, values, better, timing, noise))
-    return rows
-
-
-def _benchmark_rows(a: SideOutcome, b: SideOutcome, noise: NoiseRule) -> list[Row]:
-    figures_a = a.benchmark.figures() if a.benchmark else {}
-    figures_b = b.benchmark.figures() if b.benchmark else {}
-    requests: dict[int, int] = {}  # per level, the fewer of the two sides'
-    for side in (a, b):
-        for result in side.benchmark.levels if side.benchmark else ():
-            count = result.requests_per_run
-            requests[result.concurrency] = min(requests.get(result.concurrency, count), count)
-    rows = []
-    for level in sorted({*figures_a, *figures_b}):
-        at_a, at_b = figures_a.get(level, {}), figures_b.get(level, {})
-        for spec in FIGURES:
-            if spec.kind == "info":
-                continue  # what happened (tokens, client CPU), not how well: in each run's table
-            fa, fb = at_a.get(spec.name), at_b.get(spec.name)
-            if fa is None and fb is None:
-                continue
-            shown = format_spread(spec.name, fa), format_spread(spec.name, fb)
-            if fa is None or fb is None:
-                rows.append(Row(f"c={level}", spec.label, *shown, "", "—"))
-                continue
-            difference = fb.value - fa.value
-            change = _difference_text(fa.value, fb.value, format_value(spec.name, abs(difference)))
-            verdict = noise.verdict(spec, fa, fb, requests[level])
-            rows.append(Row(f"c={level}", spec.label, *shown, change, verdict))
-    return rows
+def checkpoint_problems(
+    prepared: PreparedComparison, cache_dir: Path, hub: HubAccess
+) -> tuple[list[str], list[str]]:
+    """The swapped checkpoints asked of the hub (or found in the NAS cache) as the prefetch
+    would, before anything is deployed: the refused ones (no such repo or revision, gated, a
+    revision no path may name) and those the hub did not answer about (the side's own prefetch
+    will ask again)."""
+    swapped = [(side.label, side.checkpoint) for side in prepared.sides if side.checkpoint]
+    if not swapped:
+        return [], []
+    previews = preview_repos([ref for _, ref in swapped], cache_dir, hub)
+    found = {(preview.repo, preview.revision): preview for preview in previews}
+    refused, unknown = [], []
+    for label, ref in swapped:
+        preview = found[(ref.repo, ref.revision)]
+        named = f"side {label}: checkpoint {ref.repo}@{ref.revision or 'main'}"
+        if preview.action == "refuse":
+            refused.append(f"{named}: {preview.detail}")
+        elif preview.action == "unknown":
+            unknown.append(f"{named}: {preview.detail}")
+    return refused, unknown
 
 
 @dataclass(frozen=True)
@@ -474,25 +297,18 @@ class Comparison:
     b: SideOutcome
     rows: tuple[Row, ...]
     noise: NoiseRule = field(default_factory=NoiseRule)
+    ship: ShipVerdict | None = None  # the ship rule's verdict, when the compare asked one
 
     @classmethod
     def of(
         cls, prepared: PreparedComparison, a: SideOutcome, b: SideOutcome, noise: NoiseRule
     ) -> Comparison:
-        rows = [
-            Row(
-                "run",
-                "outcome",
-                "ok" if a.ok else f"FAILED at {a.failed_at}",
-                "ok" if b.ok else f"FAILED at {b.failed_at}",
-                "",
-                "same" if a.ok == b.ok else ("better" if b.ok else "worse"),
-            ),
-            *_smoke_rows(a, b),
-            *_benchmark_rows(a, b, noise),
-            *_boot_rows(a, b, noise),
-        ]
-        return cls(prepared, a, b, tuple(rows), noise)
+        rows = side_rows(a, b, noise)
+        rule = prepared.ship_rule
+        ship = None
+        if rule is not None:
+            ship = judge_rule(rule, lambda subject: judge_subject(subject, a, b, rows))
+        return cls(prepared, a, b, tuple(rows), noise, ship)
 
     def verdicts(self) -> Counter[str]:
         return Counter(row.verdict for row in self.rows)
@@ -508,7 +324,10 @@ class Comparison:
         counts = self.verdicts()
         judged = ", ".join(f"{counts[v]} {v}" for v in ("better", "worse", "same") if counts[v])
         failed = "; ".join(f"side {side.label} {side.state_text()}" for side in self.failed)
-        return f"B against A: {judged or 'nothing judged'}" + (f". {failed}" if failed else "")
+        ship = f"{self.ship.headline()}. " if self.ship else ""
+        return (
+            ship + f"B against A: {judged or 'nothing judged'}" + (f". {failed}" if failed else "")
+        )
 
     def markdown(self, links: Mapping[str, str] | None = None) -> str:
         links = links or {}
@@ -532,30 +351,28 @@ class Comparison:
             "",
             *markdown_table(["", "A", "B"], sides),
         ]
-        results = {
-            f"{side.label}: {side_prepared.description}": side.benchmark
+        if self.ship is not None:
+            lines += ["", *self.ship.markdown()]
+        measured = [
+            (f"{side.label}: {side_prepared.description}", side.benchmark)
             for side, side_prepared in ((self.a, prepared.a), (self.b, prepared.b))
             if side.benchmark is not None
-        }
-        if results:
+        ]
+        if measured:
+            results = {label: result.figures() for label, result in measured}
+            depths = {label: result.depth_figures() for label, result in measured}
             lines += [
                 "",
                 chart.markdown_image(
-                    "throughput and latency against concurrency, A and B",
-                    chart.svg(chart_panels(results)),
+                    "throughput and latency against concurrency, decode at depth, A and B",
+                    chart.svg(chart_panels(results, depths)),
                 ),
             ]
         lines += [
             "",
             f"## Side by side: {self.summary_line()}",
             "",
-            *markdown_table(
-                ["", "figure", "A", "B", "B − A", "verdict"],
-                [
-                    [r.group, r.figure, r.a, r.b, r.difference, _emphasised(r.verdict)]
-                    for r in self.rows
-                ],
-            ),
+            *comparison_table(self.rows),
             "",
             f"Noise: {self.noise.text()}",
         ]
@@ -567,6 +384,8 @@ class Comparison:
                     f"them; {side.benchmark.client_check.text()}."
                 )
                 notes = side.benchmark.engine_disagreements()
+                if side.benchmark.depths_lowered:
+                    notes.append(f"depths: {side.benchmark.depths_lowered}")
                 lines += [f"- {side.label}: {note}" for note in notes]
         return "\n".join(lines)
 
@@ -575,7 +394,3 @@ class Comparison:
         if side.label in links:
             return f"[side {side.label}]({links[side.label]})"
         return side.flow_run_id or "—"
-
-
-def _emphasised(verdict: Verdict) -> str:
-    return f"**{verdict}**" if verdict in ("better", "worse") else verdict

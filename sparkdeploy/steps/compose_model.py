@@ -12,16 +12,11 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from sparkdeploy.errors import ComposeError, RemoteError
+from sparkdeploy.errors import ComposeError
 from sparkdeploy.node import compose_model as node_compose
-from sparkdeploy.node import hfcache as node_hfcache
 from sparkdeploy.remote.docker_cli import on_nodes
-from sparkdeploy.remote.node_script import (
-    STDERR_TAIL_CHARS,
-    PythonRunner,
-    build_node_script,
-    last_json_line,
-)
+from sparkdeploy.remote.node_script import build_node_script, script_answer
+from sparkdeploy.remote.runner import Runner
 from sparkdeploy.remote.targets import node_target
 from sparkdeploy.spec.plan import ComposedPlan, Plan
 
@@ -40,11 +35,11 @@ class ComposeResult:
 
 @cache
 def node_script() -> str:
-    return build_node_script(node_compose, [node_hfcache])
+    return build_node_script(node_compose)
 
 
 def compose_on_node(
-    runner: PythonRunner, node: str, *, nas_hf_cache: str, composed: ComposedPlan
+    runner: Runner, node: str, *, nas_hf_cache: str, composed: ComposedPlan
 ) -> ComposeResult:
     """Make the composed HF cache at `composed.root` on `node` match the plan's sources and
     local files. The plan's ComposedPlan travels to the node as it is (serialised once)."""
@@ -53,13 +48,7 @@ def compose_on_node(
     completed = runner.run_python(
         node_script(), [json.dumps(request)], timeout=COMPOSE_TIMEOUT_S, check=False
     )
-    answer = last_json_line(completed.stdout)
-    if answer is None:
-        stderr = completed.stderr.decode("utf-8", "replace")
-        raise RemoteError(
-            f"node {node}: the compose script ({root}) exited {completed.exit_code} without an "
-            f"answer; stderr ends with: {stderr[-STDERR_TAIL_CHARS:]}"
-        )
+    answer = script_answer(completed, node, f"the compose script ({root})")
     if not answer.get("ok"):
         raise ComposeError(
             f"node {node}: composing {root} failed [{answer.get('kind')}]: {answer.get('message')}"

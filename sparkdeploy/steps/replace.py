@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from sparkdeploy.errors import ReplaceRefused
+from sparkdeploy.errors import ReplaceRefused, RollbackFailed, RolledBack
 from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.hold_nodes import NodeHolder, Replaced, unfinished_replacement
 from sparkdeploy.steps.status import DeploymentStatus
@@ -113,6 +113,27 @@ def _serving_again(plan: Plan) -> str:
         f"rolled back to {plan.deployment_id} ({plan.recipe} on {nodes}), which is serving"
         f" again at {plan.endpoint}"
     )
+
+
+def bring_back(
+    failure: BaseException,
+    plan: Plan,
+    replaced: Sequence[Replaced],
+    redeploy: Callable[[Replaced], Plan],
+) -> RolledBack | RollbackFailed:
+    """A failed replacement's rollback: each replaced deployment up again on its nodes
+    (`redeploy` returns its plan), a failure of one stopping none of the others. Returns the
+    error the run then fails with, naming what serves again and what does not: RolledBack, or
+    RollbackFailed when one could not be brought back."""
+    brought: list[Plan] = []
+    lost: list[tuple[Replaced, BaseException]] = []
+    for old in replaced:
+        try:
+            brought.append(redeploy(old))
+        except Exception as error:
+            lost.append((old, error))
+    message = rollback_message(failure, plan, brought, lost)
+    return RollbackFailed(message) if lost else RolledBack(message)
 
 
 def rollback_message(

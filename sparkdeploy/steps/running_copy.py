@@ -16,12 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sparkdeploy.remote.docker_cli import ContainerInfo, Runner, list_containers, on_nodes, probe
+from sparkdeploy.remote.docker_cli import ContainerInfo, list_containers, on_nodes
+from sparkdeploy.remote.engine_http import ProbeOutcome
+from sparkdeploy.remote.node_probe import probe
+from sparkdeploy.remote.runner import Runner
 from sparkdeploy.remote.targets import plan_targets
 from sparkdeploy.spec.labels import DEPLOYMENT_LABEL
 from sparkdeploy.spec.plan import SECRETS_LABEL, SPEC_LABEL, Plan
-from sparkdeploy.steps.image import CONTEXT_LABEL
-from sparkdeploy.steps.readiness_gate import ProbeOutcome
+from sparkdeploy.steps.image.source import CONTEXT_LABEL
 
 State = Literal["absent", "different", "unhealthy", "serving"]
 

@@ -1,4 +1,4 @@
-"""Engram sparse-copy staging: run sparkdeploy.node.stage_engram on a node, turn its answer into
+"""Engram sparse-copy staging: run sparkdeploy.node.engram_copy on a node, turn its answer into
 data.
 
 One python3 on the node per call, for all the node's shards: it checks them all (source,
@@ -6,30 +6,24 @@ header, geometry, an existing file it may adopt, free space), says how many byte
 copy, then copies and verifies each, printing progress as it goes. The lines are read as they
 come (stream_lines), so progress reaches the caller live and the deadline is sized from the
 bytes left once they are known.
-See sparkdeploy.node.stage_engram for the copy itself.
+See sparkdeploy.node.engram_copy for the copy itself.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
-from typing import Any, Protocol
+from typing import Any
 
 from sparkdeploy.errors import RemoteError, StagingError, TransientRemoteError
-from sparkdeploy.node import engram
-from sparkdeploy.node import hfcache as node_hfcache
-from sparkdeploy.node import stage_engram as node_staging
-from sparkdeploy.node.stage_engram import StagingResult
-from sparkdeploy.remote.docker_cli import on_nodes
-from sparkdeploy.remote.node_script import (
-    STDERR_TAIL_CHARS,
-    build_node_script,
-    python_argv,
-)
-from sparkdeploy.remote.targets import node_target
-from sparkdeploy.spec.plan import EngramStage, NodePlan, Plan
+from sparkdeploy.node import engram_copy, engram_plan
+from sparkdeploy.node.engram_copy import StagingResult
+from sparkdeploy.remote.node_script import build_node_script, python_argv
+from sparkdeploy.remote.runner import STDERR_TAIL_CHARS, Runner
+from sparkdeploy.remote.targets import on_plan_nodes
+from sparkdeploy.spec.plan import EngramStage, Plan
 
 # The longest the node script may stay silent: while it checks the shards (NAS lookups and
 # header reads) and between two progress lines of a copy (one fdatasync of a slow disk).
@@ -46,30 +40,13 @@ STREAM_BACKSTOP_S = 48 * 3600.0
 ProgressCallback = Callable[[str, str, int, int, str], None]
 
 
-class LineSource(Protocol):
-    """The output lines of a running command: sparkdeploy.remote.ssh.LineStream."""
-
-    exit_code: int | None
-
-    def __iter__(self) -> Iterator[bytes]: ...
-    def close(self) -> None: ...
-
-
-class StreamRunner(Protocol):
-    """What staging needs of a node: sparkdeploy.remote.ssh.Connection has this method."""
-
-    def stream_lines(
-        self, argv: Sequence[str], *, timeout: float, idle_timeout: float | None = None
-    ) -> LineSource: ...
-
-
 @cache
 def node_script() -> str:
-    return build_node_script(node_staging, [engram, node_hfcache])
+    return build_node_script(engram_copy)
 
 
 def node_argv(request: dict[str, Any]) -> list[str]:
-    """The node command for one node's request (see node_staging.Request.from_json)."""
+    """The node command for one node's request (see engram_plan.Request.from_json)."""
     return python_argv(node_script(), [json.dumps(request)])
 
 
@@ -79,11 +56,11 @@ def node_request(
     nas_hf_cache: str,
     stages: Sequence[EngramStage],
     composed_root: str | None = None,
-    chunk_bytes: int = node_staging.DEFAULT_CHUNK_BYTES,
-    sync_bytes: int = node_staging.DEFAULT_SYNC_BYTES,
+    chunk_bytes: int = engram_plan.DEFAULT_CHUNK_BYTES,
+    sync_bytes: int = engram_plan.DEFAULT_SYNC_BYTES,
     stop_after_chunks: int | None = None,
 ) -> dict[str, Any]:
-    """What the node script reads (node_staging.Request.from_json): the plan's stages as they
+    """What the node script reads (engram_plan.Request.from_json): the plan's stages as they
     are, serialised once, with what applies to all of them (composed_root: the node's composed
     dir, whose hard links to a copy do not make it shared with other lanes)."""
     return {
@@ -98,15 +75,15 @@ def node_request(
 
 
 def stage_on_node(
-    runner: StreamRunner,
+    runner: Runner,
     node: str,
     *,
     nas_hf_cache: str,
     stages: Sequence[EngramStage],
     composed_root: str | None = None,
     on_progress: ProgressCallback | None = None,
-    chunk_bytes: int = node_staging.DEFAULT_CHUNK_BYTES,
-    sync_bytes: int = node_staging.DEFAULT_SYNC_BYTES,
+    chunk_bytes: int = engram_plan.DEFAULT_CHUNK_BYTES,
+    sync_bytes: int = engram_plan.DEFAULT_SYNC_BYTES,
     stop_after_chunks: int | None = None,
 ) -> list[StagingResult]:
     """Make (or find, adopt or finish) the verified sparse copy of each of a node's stages.
@@ -189,22 +166,17 @@ def stage_engram(
     plan: Plan, *, on_progress: ProgressCallback | None = None
 ) -> dict[str, list[StagingResult]]:
     """Every node's stages of the plan, all nodes at once; nodes with none are left out."""
-    staged = {node.node: node for node in plan.nodes if node.engram}
-    return on_nodes(
-        {name: node_target(node) for name, node in staged.items()},
-        lambda runner, name: stage_on_node(
+    return on_plan_nodes(
+        [node for node in plan.nodes if node.engram],
+        lambda runner, node: stage_on_node(
             runner,
-            name,
+            node.node,
             nas_hf_cache=plan.nas_hf_cache,
-            stages=staged[name].engram,
-            composed_root=_composed_root(staged[name]),
+            stages=node.engram,
+            composed_root=node.composed_root,
             on_progress=on_progress,
         ),
     )
-
-
-def _composed_root(node: NodePlan) -> str | None:
-    return node.composed.root if node.composed is not None else None
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:

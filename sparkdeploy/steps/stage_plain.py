@@ -1,11 +1,11 @@
-"""Plain local files on the nodes: run sparkdeploy.node.stage_plain on each, turn its answer into
+"""Plain local files on the nodes: run sparkdeploy.node.plain_copy on each, turn its answer into
 data.
 
 One python3 on the node per call, for all the node's plain files. A file from the NAS is read
 by the node through its own mount; a file from the ops host (this host) travels on the script's
 stdin, and only when the node asks for it: the first call sends none, the node answers which
 it still needs (the others it found in place, trusted by their manifest or adopted), and a
-second call sends those. See sparkdeploy.node.stage_plain for the checks on the node.
+second call sends those. See sparkdeploy.node.plain_copy for the checks on the node.
 """
 
 from __future__ import annotations
@@ -16,19 +16,13 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy.errors import RemoteError, StagingError
-from sparkdeploy.node import hfcache as node_hfcache
-from sparkdeploy.node import stage_plain as node_plain
-from sparkdeploy.node.stage_plain import PlainResult
-from sparkdeploy.remote.docker_cli import on_nodes
-from sparkdeploy.remote.node_script import (
-    STDERR_TAIL_CHARS,
-    PythonRunner,
-    build_node_script,
-    last_json_line,
-)
-from sparkdeploy.remote.targets import node_target
-from sparkdeploy.spec.plan import NodePlan, PlainStage, Plan
+from sparkdeploy.errors import StagingError
+from sparkdeploy.node import plain_copy
+from sparkdeploy.node.plain_copy import PlainResult
+from sparkdeploy.remote.node_script import build_node_script, script_answer
+from sparkdeploy.remote.runner import Runner
+from sparkdeploy.remote.targets import on_plan_nodes
+from sparkdeploy.spec.plan import PlainStage, Plan
 
 # Plain files are configs, tokenizers, templates: the base covers a NAS file of a few GB too;
 # the ops host's bytes add their transfer at the slowest healthy rate.
@@ -38,11 +32,11 @@ MIN_BYTES_PER_S = 10 * 1000 * 1000
 
 @cache
 def node_script() -> str:
-    return build_node_script(node_plain, [node_hfcache])
+    return build_node_script(plain_copy)
 
 
 def stage_plain_on_node(
-    runner: PythonRunner,
+    runner: Runner,
     node: str,
     *,
     nas_hf_cache: str,
@@ -61,7 +55,7 @@ def stage_plain_on_node(
 
 
 def _call(
-    runner: PythonRunner,
+    runner: Runner,
     node: str,
     nas_hf_cache: str,
     composed_root: str | None,
@@ -83,14 +77,12 @@ def _call(
         stdin=data,
         check=False,
     )
-    answer = last_json_line(completed.stdout)
-    if answer is None:
-        stderr = completed.stderr.decode("utf-8", "replace")
-        raise RemoteError(
-            f"node {node}: the plain file script ({_describe(stages)}) exited "
-            f"{completed.exit_code} without an answer; a re-run starts it again; stderr ends "
-            f"with: {stderr[-STDERR_TAIL_CHARS:]}"
-        )
+    answer = script_answer(
+        completed,
+        node,
+        f"the plain file script ({_describe(stages)})",
+        advice="a re-run starts it again",
+    )
     if not answer["ok"]:
         raise StagingError(
             f"node {node}: staging plain file {answer.get('dest') or _describe(stages)} failed "
@@ -112,21 +104,16 @@ def _ops_bytes(node: str, stage: PlainStage) -> bytes:
 
 def stage_plain(plan: Plan) -> dict[str, list[PlainResult]]:
     """Every node's plain files, all nodes at once; nodes with none are left out."""
-    staged = {node.node: node for node in plan.nodes if node.plain}
-    return on_nodes(
-        {name: node_target(node) for name, node in staged.items()},
-        lambda runner, name: stage_plain_on_node(
+    return on_plan_nodes(
+        [node for node in plan.nodes if node.plain],
+        lambda runner, node: stage_plain_on_node(
             runner,
-            name,
+            node.node,
             nas_hf_cache=plan.nas_hf_cache,
-            stages=staged[name].plain,
-            composed_root=_composed_root(staged[name]),
+            stages=node.plain,
+            composed_root=node.composed_root,
         ),
     )
-
-
-def _composed_root(node: NodePlan) -> str | None:
-    return node.composed.root if node.composed is not None else None
 
 
 def _describe(stages: Sequence[PlainStage]) -> str:

@@ -27,12 +27,12 @@ from sparkdeploy.errors import TeardownError
 from sparkdeploy.remote.docker_cli import (
     ContainerInfo,
     Log,
-    Runner,
     container_log,
     list_containers,
     on_nodes,
     remove_containers,
 )
+from sparkdeploy.remote.runner import Runner
 from sparkdeploy.remote.ssh import SshTarget
 from sparkdeploy.spec.labels import (
     DEPLOYMENT_LABEL,

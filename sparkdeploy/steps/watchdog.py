@@ -15,19 +15,14 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from sparkdeploy.errors import DeploymentDown
-from sparkdeploy.remote.docker_cli import (
-    DEPLOYMENT_LABEL,
-    ContainerInfo,
-    Runner,
-    container_log,
-    list_containers,
-    on_nodes,
-)
+from sparkdeploy.remote.docker_cli import ContainerInfo, container_log, list_containers, on_nodes
+from sparkdeploy.remote.runner import Runner
 from sparkdeploy.remote.targets import plan_targets
+from sparkdeploy.spec.labels import DEPLOYMENT_LABEL
 from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.hold_nodes import NodeHolder
-from sparkdeploy.steps.readiness_gate import classify_log, strip_log_prefix
 from sparkdeploy.steps.status import DeploymentStatus
+from sparkdeploy.vllm.log_lines import classify_log, strip_log_prefix
 from sparkdeploy.vllm.markers import FAILURE_HINTS
 
 LOG_TIMEOUT_S = 60.0

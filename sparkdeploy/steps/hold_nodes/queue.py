@@ -20,7 +20,7 @@ from sparkdeploy.steps.hold_nodes.runs import _ended_runs
 
 WAIT_TAGS = ["sparkdeploy", "node-wait"]
 # A wait ticket not refreshed for this long (its waiter polls every POLL_S of
-# sparkdeploy.steps.hold_nodes) was left by a waiter that died.
+# sparkdeploy.steps.hold_nodes.acquire) was left by a waiter that died.
 TICKET_STALE_S = 60.0
 
 

@@ -1,5 +1,5 @@
-"""Which flow runs have ended, by Prefect's word: a holder whose run has ended may be taken over
-(decisions.py), a wait ticket whose run has ended is passed over (queue.py)."""
+"""Which flow run this is, and which have ended, by Prefect's word: a holder whose run has ended
+may be taken over (decisions.py), a wait ticket whose run has ended is passed over (queue.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,13 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from sparkdeploy.remote.prefect_api import single_attempt_client
 from sparkdeploy.steps.hold_nodes.api import _api
+
+
+def _current_flow_run_id() -> str | None:
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.id
+    return str(run_id) if run_id else None
 
 
 def ended_runs(run_ids: AbstractSet[str | None]) -> set[str | None]:

@@ -17,7 +17,10 @@ stated defaults (model.py), and each row says which.
 One module per job:
   __init__.py   preview(): the steps in the deploy's order
   model.py      Row, Preview (its markdown and JSON), the rates
-  nodes.py      the node side: hold-nodes, image, stage-engram, compose-model, boot
+  locks.py      hold-nodes: who holds each node, and what the deploy would do about it
+  nodes.py      each node's docker, image and containers (one read-only look); boot
+  image.py      the image step on each node, from the looks
+  staging.py    stage-engram (the staging script's dry run) and compose-model
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from sparkdeploy.spec.plan import Plan
 from sparkdeploy.steps.prefetch import HubAccess
 from sparkdeploy.steps.prefetch.preview import RepoAction, RepoPreview, preview_repos
 from sparkdeploy.steps.prefetch.selection import FileSelection
+from sparkdeploy.steps.preview.image import image_rows
+from sparkdeploy.steps.preview.locks import hold_rows
 from sparkdeploy.steps.preview.model import (
     FLOW_HOST,
     STEPS,
@@ -39,14 +44,8 @@ from sparkdeploy.steps.preview.model import (
     Row,
     timed,
 )
-from sparkdeploy.steps.preview.nodes import (
-    boot_rows,
-    compose_rows,
-    engram_rows,
-    hold_rows,
-    image_rows,
-    look,
-)
+from sparkdeploy.steps.preview.nodes import boot_rows, look
+from sparkdeploy.steps.preview.staging import compose_rows, engram_rows
 
 __all__ = ["STEPS", "Preview", "Row", "preview"]
 

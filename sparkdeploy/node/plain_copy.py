@@ -1,12 +1,12 @@
 """Plain local files of one node, as they are put in place ON the node (standard library +
-sparkdeploy.node.hfcache).
+shipped modules: sparkdeploy.remote.node_script ships every module this one imports).
 
 A plain local file (a patched config.json, a tokenizer, a chat template: anything that is not
 an Engram table) is put whole at its host path. sparkdeploy.steps.stage_plain ships this module
-(see sparkdeploy.remote.node_script) and calls `main([request_json])` once per node for all its
-plain files; it prints one JSON answer on stdout: {"ok": true, "results": [...], "need": [...]}
-or, for a deliberate failure, {"ok": false, "kind": ..., "message": ..., "dest": ...} with exit
-status FAILED_EXIT.
+and calls `main([request_json])` once per node for all its plain files; it prints one JSON
+answer on stdout: {"ok": true, "results": [...], "need": [...]} or, for a deliberate failure (a
+StagingError), {"ok": false, "kind": ..., "message": ..., "dest": ...} with exit status
+FAILED_EXIT.
 
 Each file comes from one of two places:
 - the NAS: the file of that name in a repo's snapshot in the NAS HF cache, which the node reads
@@ -30,34 +30,39 @@ DEST is checked first, without writing anything:
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
 import json
 import os
-import stat as stat_mode
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
+from sparkdeploy.errors import StagingError
 from sparkdeploy.node.hfcache import SnapshotNotFound, resolve_snapshot
+from sparkdeploy.node.staged_file import (
+    FAILED_EXIT,
+    MANIFEST_SUFFIX,
+    PARTIAL_SUFFIX,
+    about,
+    emit,
+    failure_answer,
+    fsync_dir,
+    read_json,
+    remove,
+    same_inode_under,
+    still_describes,
+    write_json,
+)
 
 FORMAT_VERSION = 1
-FAILED_EXIT = 3
 CHUNK_BYTES = 4 * 1024 * 1024
-PARTIAL_SUFFIX = ".partial"
-MANIFEST_SUFFIX = ".manifest.json"
-
-
-class PlainFailure(Exception):
-    """A deliberate failure: `kind` tells the host which case it is, the message the fix."""
-
-    def __init__(self, kind: str, message: str, dest: str | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.dest = dest
+# What a "no_space" failure tells the operator, after the file and the OS's words.
+DISK_FULL = (
+    "the disk is full; free space there or move the recipe's [[composed_model.local_files]] "
+    "host path to a bigger disk"
+)
 
 
 @dataclass(frozen=True)
@@ -119,23 +124,25 @@ class Source:
 def resolve_source(nas_hf_cache: str, plain: PlainFile) -> Source:
     if plain.repo is None:
         if plain.sha256 is None or plain.size is None:
-            raise PlainFailure(
-                "bad_request", f"{plain.dest}: no NAS repo and no ops host sha256", plain.dest
+            raise StagingError(
+                f"{plain.dest}: no NAS repo and no ops host sha256",
+                kind="bad_request",
+                dest=plain.dest,
             )
         key = {"ops_host": {"sha256": plain.sha256, "size": plain.size}}
         return Source("the ops host's copy", None, plain.size, plain.sha256, key)
     try:
         commit, snapshot = resolve_snapshot(nas_hf_cache, plain.repo, plain.revision)
     except SnapshotNotFound as exc:
-        raise PlainFailure("missing_source", str(exc), plain.dest) from None
+        raise StagingError(str(exc), kind="missing_source", dest=plain.dest) from None
     entry = os.path.join(snapshot, plain.filename)
     path = os.path.realpath(entry)
     if not os.path.isfile(path):
-        raise PlainFailure(
-            "missing_source",
+        raise StagingError(
             f"{entry} is missing from {plain.repo}@{commit} in the NAS HF cache (or its blob is "
             "gone); check the recipe's local_files name, or run the prefetch step for this repo",
-            plain.dest,
+            kind="missing_source",
+            dest=plain.dest,
         )
     stat = os.stat(path)
     identity = {
@@ -161,24 +168,17 @@ def file_sha256(path: str) -> str:
 def trusted(dest: str, source: Source) -> dict[str, Any] | None:
     """The manifest of a DEST put (or adopted) for this very source, whose size and mtime are
     still those recorded: DEST is trusted without rehashing."""
-    manifest = _read_json(dest + MANIFEST_SUFFIX)
+    manifest = read_json(dest + MANIFEST_SUFFIX)
     if manifest is None or manifest.get("format_version") != FORMAT_VERSION:
         return None
     if manifest.get("source") != source.key:
         return None
-    try:
-        stat = os.stat(dest)
-    except FileNotFoundError:
-        return None
-    recorded = manifest.get("dest", {})
-    if (stat.st_size, stat.st_mtime_ns) != (recorded.get("size"), recorded.get("mtime_ns")):
-        return None
-    return manifest
+    return manifest if still_describes(manifest, dest) else None
 
 
 def _write_manifest(dest: str, source: Source, sha256: str) -> None:
     stat = os.stat(dest)
-    _write_json(
+    write_json(
         dest + MANIFEST_SUFFIX,
         {
             "format_version": FORMAT_VERSION,
@@ -194,15 +194,8 @@ def _write_manifest(dest: str, source: Source, sha256: str) -> None:
 def links_elsewhere(dest: str, stat: os.stat_result, composed_root: str | None) -> int:
     """DEST's hard links other than itself and those in this deployment's composed dir (the
     compose-model step relinks those to the new file)."""
-    own = 0
-    if composed_root is not None and os.path.isdir(composed_root):
-        for directory, _subdirs, files in os.walk(composed_root):
-            for name in files:
-                with contextlib.suppress(FileNotFoundError):
-                    entry = os.lstat(os.path.join(directory, name))
-                    same = (entry.st_dev, entry.st_ino) == (stat.st_dev, stat.st_ino)
-                    own += stat_mode.S_ISREG(entry.st_mode) and same
-    return stat.st_nlink - 1 - own
+    own = same_inode_under(composed_root, stat) if composed_root is not None else []
+    return stat.st_nlink - 1 - len(own)
 
 
 def check_existing(
@@ -230,25 +223,25 @@ def check_existing(
     if mismatch is None:
         after = os.stat(dest)
         if (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
-            raise PlainFailure(
-                "io",
+            raise StagingError(
                 f"{dest} changed while it was hashed; another process writes it: stop it, "
                 "then run the step again",
-                dest,
+                kind="io",
+                dest=dest,
             )
         _write_manifest(dest, source, expected)
-        _remove(dest + PARTIAL_SUFFIX)
+        remove(dest + PARTIAL_SUFFIX)
         return "adopted", expected
     others = links_elsewhere(dest, before, composed_root)
     if others > 0:
-        raise PlainFailure(
-            "linked_mismatch",
+        raise StagingError(
             f"node {node}: {dest} differs from {source.description} ({mismatch}) and has "
             f"{before.st_nlink} hard links ({others} outside this deployment's composed dir): "
             "other lanes may read it, so it is neither rewritten in place nor replaced under "
             f"them; check what the other lanes need, then remove or rename {dest} by hand, or "
             "point the recipe's [[composed_model.local_files]] host path at another path",
-            dest,
+            kind="linked_mismatch",
+            dest=dest,
         )
     return None
 
@@ -274,27 +267,27 @@ def write_verified(plain: PlainFile, source: Source, data: IO[bytes]) -> tuple[s
     # A NAS source is hashed as it is read; the ops host's bytes against the plan's sha256.
     expected = source.sha256 or digest.hexdigest()
     if written != source.size:
-        _remove(partial)
-        raise PlainFailure(
-            "io",
+        remove(partial)
+        raise StagingError(
             f"{source.description} ended after {written} of {source.size} bytes; it changed "
             "since the plan was made: run the step again",
-            dest,
+            kind="io",
+            dest=dest,
         )
     # Read back from the file, not the bytes sent: what the disk holds is what is checked.
     read_back = file_sha256(partial)
     if read_back != expected:
-        _remove(partial)
-        raise PlainFailure(
-            "verify_failed",
+        remove(partial)
+        raise StagingError(
             f"{partial} hashes to {read_back[:12]}..., {source.description} to {expected[:12]}..."
             "; the file on the ops host changed since the plan, or the local disk is failing: "
             "run the step again (the plan reads the file afresh)",
-            dest,
+            kind="verify_failed",
+            dest=dest,
         )
     os.replace(partial, dest)
     _write_manifest(dest, source, expected)
-    _fsync_dir(os.path.dirname(dest))
+    fsync_dir(os.path.dirname(dest))
     return expected, written
 
 
@@ -310,7 +303,7 @@ def stage_all(
     need: list[str] = []
     for plain in files:
         started = time.monotonic()
-        with _about(plain.dest):
+        with about(plain.dest, DISK_FULL):
             source = resolve_source(nas_hf_cache, plain)
             found = check_existing(node, plain, source, composed_root)
             if found is not None:
@@ -344,55 +337,6 @@ def stage_all(
     return results, need
 
 
-@contextlib.contextmanager
-def _about(dest: str) -> Iterator[None]:
-    """Failures inside name the file they are about; an OSError becomes an "io" failure."""
-    try:
-        yield
-    except PlainFailure as failure:
-        failure.dest = failure.dest or dest
-        raise
-    except OSError as exc:
-        where = f"{exc.filename or dest}: {exc.strerror or exc}"
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise PlainFailure(
-                "no_space",
-                f"{where}: the disk is full; free space there or move the recipe's "
-                "[[composed_model.local_files]] host path to a bigger disk",
-                dest,
-            ) from exc
-        raise PlainFailure("io", where, dest) from exc
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as json_file:
-            data = json.load(json_file)
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    temporary = path + ".tmp"
-    with open(temporary, "w", encoding="utf-8") as json_file:
-        json.dump(data, json_file, indent=1)
-    os.replace(temporary, path)
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def main(argv: Sequence[str]) -> int:
     (request_json,) = argv
     request = json.loads(request_json)
@@ -405,12 +349,10 @@ def main(argv: Sequence[str]) -> int:
             files,
             sys.stdin.buffer,
         )
-    except PlainFailure as failure:
-        answer = {"ok": False, "kind": failure.kind, "message": str(failure), "dest": failure.dest}
-        print(json.dumps(answer), flush=True)
+    except StagingError as failure:
+        emit(failure_answer(failure))
         return FAILED_EXIT
-    answer = {"ok": True, "results": [asdict(result) for result in results], "need": need}
-    print(json.dumps(answer), flush=True)
+    emit({"ok": True, "results": [asdict(result) for result in results], "need": need})
     return 0
 
 

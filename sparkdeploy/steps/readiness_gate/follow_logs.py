@@ -9,13 +9,12 @@ line first. When the SSH link under a stream drops (the stream ends "lost"), the
 reconnects with backoff and resumes with `--since` the last line's timestamp, skipping the lines
 of that instant it fed already, so no line is lost or fed twice; a node unreachable for
 RECONNECT_WINDOW_S fails the boot naming the lost link. When a log ends because its container
-stopped,
-`docker wait <container>` supplies the exit code (or says there is no such container) and
-`docker inspect` docker's State.OOMKilled, so an exit 137 is named an OOM kill only when the
-kernel says so. The
-gate decides (sparkdeploy.steps.readiness_gate); the streams are stopped and their channels closed
-however it ends, and `gate.timeline` stays readable after a failure. Boot (starting the containers)
-is not done here.
+stopped, `docker wait <container>` supplies the exit code (or says there is no such container)
+and `docker inspect` docker's State.OOMKilled, so an exit 137 is named an OOM kill only when the
+kernel says so. The gate decides (gate.py); the streams are stopped and their channels closed
+however it ends, and `gate.timeline` stays readable after a failure. Boot (starting the
+containers) is not done here. `follow_lines` feeds any iterable of lines (a local process in
+tests and benchmarks) to the queue the same way.
 """
 
 from __future__ import annotations
@@ -24,24 +23,24 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from sparkdeploy.errors import RemoteError
 from sparkdeploy.remote.ssh import Connection, LineStream, SshTarget, cached_connection
 from sparkdeploy.remote.targets import node_target
 from sparkdeploy.spec.plan import NodePlan, Plan
-from sparkdeploy.steps.readiness_gate import (
+from sparkdeploy.steps.readiness_gate.gate import GateResult, ReadinessGate
+from sparkdeploy.steps.readiness_gate.watch import (
+    BootMarkers,
+    ContainerExited,
     ContainerMissing,
     ExitStatus,
     GateEvent,
-    GateResult,
     LinkLost,
     LinkRestored,
-    ReadinessGate,
-    follow_lines,
 )
-from sparkdeploy.vllm.markers import HEADLESS_WORKER_JOINED
+from sparkdeploy.vllm.log_lines import LogLine
 
 # The log streams outlive the gate's own timeout by this much, so the gate always decides first.
 STREAM_MARGIN_S = 30.0
@@ -70,13 +69,42 @@ def gate_for(plan: Plan, *, started_at: float | None = None) -> ReadinessGate:
     return ReadinessGate(
         head=plan.head.node,
         workers=[node.node for node in plan.workers],
-        boot_markers=plan.boot_markers,
-        worker_markers=(HEADLESS_WORKER_JOINED,),  # a --headless worker prints its join
-        failure_markers=plan.failure_markers,
+        markers=BootMarkers(boot=plan.boot_markers, failure=plan.failure_markers),
         # the head's gloo "Connection closed by peer [ip]" names a dead worker by this
         node_of_ip={node.fabric_ip: node.node for node in plan.workers},
         started_at=started_at,
     )
+
+
+def follow_lines(
+    events: queue.Queue[GateEvent],
+    node: str,
+    lines: Iterable[bytes | str],
+    exit_status: Callable[[], ExitStatus | None],
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> threading.Thread:
+    """Feed `lines` (e.g. a `docker logs -f` stdout) to the queue from a daemon thread.
+
+    When the lines end, `exit_status()` is asked how the container ended (e.g. from `docker
+    wait` and `docker inspect`); an ExitStatus becomes a ContainerExited event, None means
+    "still running" (the log stream was cut) and puts nothing.
+    """
+
+    def pump() -> None:
+        try:
+            for raw in lines:
+                text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+                events.put(LogLine(node, text.rstrip("\r\n"), clock()))
+        except (OSError, ValueError):
+            pass  # the stream was closed under us; the exit code below tells what happened
+        status = exit_status()
+        if status is not None:
+            events.put(ContainerExited(node, status.code, clock(), status.oom_killed))
+
+    thread = threading.Thread(target=pump, name=f"follow-logs-{node}", daemon=True)
+    thread.start()
+    return thread
 
 
 class _Follower:

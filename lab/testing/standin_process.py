@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -14,13 +13,12 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from hfcache_layout import cache_repo
-
-from lab.processes import stop_process_group
+from lab.layout import REPO_ROOT
+from lab.processes import start_logged, stop_process_group
+from lab.testing.hfcache_layout import cache_repo
 from lab.tinymodel import generate_repo
-from sparkdeploy.steps.readiness_gate import probe_endpoint
+from sparkdeploy.remote.engine_http import probe_endpoint
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 STANDIN = REPO_ROOT / "lab" / "engine" / "vllm_standin.py"
 MODEL = "lab/tiny-chat"
 SERVED = "tiny"
@@ -41,25 +39,21 @@ def local_standin(*flags: str, env: Mapping[str, str] | None = None) -> Iterator
         root = Path(workdir)
         cache_repo(generate_repo(root / "repos", MODEL), root / "hf-cache")
         port = _free_port()
-        with open(root / "engine.log", "wb") as log:
-            process = subprocess.Popen(
-                [
-                    *(sys.executable, str(STANDIN), "serve", MODEL, "--served-model-name", SERVED),
-                    *("--host", "127.0.0.1", "--port", str(port), *flags),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={
-                    **os.environ,
-                    "PYTHONPATH": str(REPO_ROOT),
-                    "HF_HUB_CACHE": str(root / "hf-cache"),
-                    "HF_HUB_OFFLINE": "1",
-                    "STANDIN_FAULT": "",
-                    **(env or {}),
-                },
-                start_new_session=True,
-            )
+        process = start_logged(
+            [
+                *(sys.executable, str(STANDIN), "serve", MODEL, "--served-model-name", SERVED),
+                *("--host", "127.0.0.1", "--port", str(port), *flags),
+            ],
+            root / "engine.log",
+            env={
+                **os.environ,
+                "PYTHONPATH": str(REPO_ROOT),
+                "HF_HUB_CACHE": str(root / "hf-cache"),
+                "HF_HUB_OFFLINE": "1",
+                "STANDIN_FAULT": "",
+                **(env or {}),
+            },
+        )
         try:
             endpoint = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + READY_TIMEOUT_S

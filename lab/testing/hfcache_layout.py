@@ -2,13 +2,15 @@
 
 `models--org--name/blobs/<name>` holds the files (hardlinked from the generated repo: no copy),
 `snapshots/<commit>/<file>` are relative symlinks to them and `refs/main` names the commit.
-Shared by the staging and compose tests and bench/engram_staging.py.
+Shared by the staging and compose tests and bench/ (engram_staging, adopt, readiness);
+`cache_files` lays out a few files given as bytes the same way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from lab.tinymodel import GeneratedRepo
@@ -38,3 +40,19 @@ def cache_repo(
             entry.symlink_to(os.path.relpath(blob, entry.parent))
     (base / "refs" / ref).write_text(commit)
     return snapshot
+
+
+def cache_files(hf_cache: Path, repo_id: str, commit: str, files: Mapping[str, bytes]) -> Path:
+    """`files` (top-level name: bytes) as repo_id@commit in `hf_cache`, each a blob named by its
+    sha256, refs/main naming the commit; the repo's dir (models--org--name)."""
+    base = hf_cache / ("models--" + repo_id.replace("/", "--"))
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+    snapshot = base / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (base / "blobs").mkdir()
+    for name, data in files.items():
+        blob = base / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    return base
