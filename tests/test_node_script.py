@@ -4,6 +4,7 @@ import importlib.util
 import marshal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -11,6 +12,7 @@ import pytest
 
 from lab.testing.local_node import NODE_ENV
 from sparkdeploy.node import engram_copy
+from sparkdeploy.remote import node_script
 from sparkdeploy.remote.node_script import build_node_script, python_argv, shipped_modules
 
 GREETER = """\
@@ -109,6 +111,19 @@ def test_a_script_ships_every_module_of_ours_its_main_imports_first() -> None:
     positions = [shipped.index(f"sparkdeploy.{name}") for name in order]
     assert positions == sorted(positions)
     assert shipped[-1] == "sparkdeploy.node.engram_copy"
+
+
+def test_scripts_built_on_many_threads_at_once_are_all_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step builds its node script on one thread per node, the first time at once: each gets
+    the whole script (CPython 3.11 cannot parse on two threads at once)."""
+    expected = build_node_script(engram_copy)
+    for _ in range(20):
+        monkeypatch.setattr(node_script, "_imported_names", {})
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            built = list(pool.map(lambda _: build_node_script(engram_copy), range(8)))
+        assert built == [expected] * 8
 
 
 HELPER = 'GREETING = "hello from a helper,"\n'

@@ -22,6 +22,7 @@ import importlib
 import inspect
 import json
 import shlex
+import threading
 import zlib
 from collections.abc import Sequence
 from types import ModuleType
@@ -87,17 +88,33 @@ def shipped_modules(main: ModuleType) -> list[ModuleType]:
     return ordered
 
 
+# CPython 3.11's AST conversion keeps its recursion depth in process-wide state: two threads
+# parsing at once can fail with "SystemError: AST constructor recursion depth mismatch" (seen
+# when a step built its node script on three node threads at once). So each module is parsed
+# once, one thread at a time, and its imported names kept.
+_PARSE_LOCK = threading.Lock()
+_imported_names: dict[str, list[str]] = {}
+
+
 def _package_imports(module: ModuleType) -> list[ModuleType]:
     """The modules (not packages) of this package that `module` imports, its top-level imports
     first."""
+    with _PARSE_LOCK:
+        names = _imported_names.get(module.__name__)
+        if names is None:
+            names = _imported_names[module.__name__] = _names_imported(module)
+    found = [_module_named(name) for name in names if name.startswith(_PACKAGE + ".")]
+    return [imported for imported in found if imported is not None]
+
+
+def _names_imported(module: ModuleType) -> list[str]:
     names: list[str] = []
     for node in ast.walk(ast.parse(inspect.getsource(module))):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-    found = [_module_named(name) for name in names if name.startswith(_PACKAGE + ".")]
-    return [imported for imported in found if imported is not None]
+    return names
 
 
 def _module_named(name: str) -> ModuleType | None:
