@@ -6,11 +6,13 @@ watchdog's, sparkdeploy.spec.events)."""
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from typing import Any
 
 import httpx
 from prefect import get_client, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import VariableCreate, VariableUpdate
 from prefect.client.schemas.filters import (
     FlowFilter,
@@ -41,17 +43,32 @@ _GOING = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
 RECORD_TAGS = ["sparkdeploy", "sentinel"]
 
 
-def write_record(cluster: str, value: dict[str, Any]) -> None:
-    """The sentinel's record of the cluster into its Variable (sparkdeploy.steps.sentinel_record):
-    one request, sent once (the next write is at most 30 s away); the first one creates it."""
-    name = sentinel_variable(cluster)
-    with single_attempt_client() as client:
+class RecordWriter:
+    """The sentinel's record of the cluster into its Variable (sparkdeploy.steps.sentinel_record),
+    over one client kept open: each write is one request, sent once (the next is at most 30 s
+    away), where a client of its own would first ask the server for a CSRF token. The first
+    write creates the Variable. Called from one thread at a time (the ledger's writer)."""
+
+    def __init__(self, cluster: str) -> None:
+        self._name = sentinel_variable(cluster)
+        self._open = ExitStack()
+        self._client: SyncPrefectClient | None = None
+
+    def __call__(self, value: dict[str, Any]) -> None:
+        if self._client is None:
+            self._client = self._open.enter_context(single_attempt_client())
         try:
-            client.update_variable(VariableUpdate(name=name, value=value))
+            self._client.update_variable(VariableUpdate(name=self._name, value=value))
         except httpx.HTTPStatusError as error:
             if error.response.status_code != 404:
                 raise
-            client.create_variable(VariableCreate(name=name, value=value, tags=RECORD_TAGS))
+            self._client.create_variable(
+                VariableCreate(name=self._name, value=value, tags=RECORD_TAGS)
+            )
+
+    def close(self) -> None:
+        self._open.close()
+        self._client = None
 
 
 class PrefectReporter:
@@ -65,6 +82,7 @@ class PrefectReporter:
         self._cluster = cluster  # as given: the repair deploys with the same name or path
         self._inventory = inventory
         self._logger = logger
+        self._record_writer = RecordWriter(inventory.name)
         self._ledger = ProbeLedger(self._write_record)
 
     def busy(self, plan: Plan) -> str | None:
@@ -114,10 +132,11 @@ class PrefectReporter:
 
     def close(self) -> None:
         self._ledger.close()
+        self._record_writer.close()
 
     def _write_record(self, value: dict[str, Any]) -> None:
         try:
-            write_record(self._inventory.name, value)
+            self._record_writer(value)
         except Exception as error:
             # The record is status's view; the probes and their events go on without it.
             self._logger.warning("the sentinel's record for status was not written: %r", error)

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from prefect import flow, tags
 from prefect.client.orchestration import SyncPrefectClient
@@ -32,6 +33,7 @@ from sparkdeploy.report.history import (
     read_history,
     read_sentinel,
     repairs_by_deployment,
+    sentinel_variable,
     smoke_text,
 )
 from sparkdeploy.report.text_table import text_table
@@ -51,7 +53,7 @@ from sparkdeploy.steps.status_view import (
     deployment_row,
     usage_requests,
 )
-from tasks.sentinel import write_record
+from tasks.sentinel import RecordWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = load_cluster(ROOT / "clusters" / "dgx-spark-4.toml")
@@ -366,8 +368,21 @@ def test_the_history_and_the_sentinel_record_read_back_from_a_prefect_server(
         a_repair()
     cluster = f"status-test-{tmp_path.name}"
     failed = LastProbe(now, "failed", "suspect", "dgx2", "worker_died", "dgx2 exited (137)")
-    for probe in (LastProbe(now, "ok", "healthy"), failed):  # created, then updated
-        write_record(cluster, SentinelRecord(now, {dep: probe}).as_json())
+    write_record = RecordWriter(cluster)
+    write_record(SentinelRecord(now, {dep: LastProbe(now, "ok", "healthy")}).as_json())
+    sent: list[str] = []
+    send = httpx.Client.send
+
+    def counted(client: httpx.Client, request: httpx.Request, **options: Any) -> httpx.Response:
+        sent.append(f"{request.method} {request.url.path}")
+        return send(client, request, **options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(httpx.Client, "send", counted)
+        write_record(SentinelRecord(now, {dep: failed}).as_json())  # the update
+    write_record.close()
+    # Once created, a write is one request to the server (the sentinel's cost per 30 s).
+    assert sent == [f"PATCH /api/variables/name/{sentinel_variable(cluster)}"]
     with get_client(sync_client=True) as client:
         deadline = time.monotonic() + 60
         while (found := read(client, dep, now)).recovered is None:
