@@ -312,18 +312,27 @@ def watch_until_repaired(
         assert healthy_alone(cluster, recipe)
     finally:
         stop_schedule(env, watchdog)
-        chain = sorted(
-            runs_since("deploy/deploy", since) + runs_since(watchdog, since), key=started
-        )
-        print(f"\nrun history of the recovery of {recipe}:")
-        deploys = {run.id for run in runs_of("deploy/deploy")}
-        for run in chain:
-            did = "(booted)" if booted(run) else "(already serving: nothing done)"
-            print(
-                history_line(run, since),
-                did if run.id in deploys and run.state.is_completed() else "",
+        try:
+            # A repair still going would boot its containers after the teardown, and leave them
+            # to the next test: its end is waited for first.
+            wait_for(
+                "the end of every deploy run",
+                lambda: all(run.state.is_final() for run in runs_since("deploy/deploy", since)),
+                timeout_s=CHAIN_TIMEOUT_S,
+                poll_s=CHAIN_POLL_S,
             )
-        teardown(recipe, cluster=cluster)
+            chain = sorted(
+                runs_since("deploy/deploy", since) + runs_since(watchdog, since), key=started
+            )
+            print(f"\nrun history of the recovery of {recipe}:")
+            deploys = {run.id for run in runs_of("deploy/deploy")}
+            for run in chain:
+                did = ""
+                if run.id in deploys and run.state.is_completed():
+                    did = "(booted)" if booted(run) else "(already serving: nothing done)"
+                print(history_line(run, since), did)
+        finally:
+            teardown(recipe, cluster=cluster)
     # The chain, in order: the deploy, the watchdog run that found it down (the first one after
     # it died: within one interval), the one repair, a healthy watchdog run.
     chain_deploys = runs_since("deploy/deploy", since)
