@@ -1,6 +1,7 @@
-"""The lab's tiny chat model for real vLLM, on the host side: trained once per fingerprint by
-lab.chat_trainer under the vLLM runtime's Python (which has torch, transformers and tokenizers),
-cached, and published to the lab hub. Standard library only: the host needs no torch.
+"""The lab's tiny chat model for real vLLM, on the host side: trained on lab.chat_lessons once
+per fingerprint by lab.chat_trainer under the vLLM runtime's Python (which has torch,
+transformers and tokenizers, not the project's dependencies), cached, and published to the lab
+hub. The host needs no torch.
 """
 
 from __future__ import annotations
@@ -14,29 +15,28 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lab import chat_trainer
-from lab.chat_trainer import MODEL_FILES
+from lab.chat_lessons import answer_problem, lessons
+from lab.chat_trainer import MODEL_FILES, lessons_json
 from lab.tinymodel import GeneratedRepo, repo_staging
 from sparkdeploy.errors import LabError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-# Part of the trained model's key: the module of the smoke prompts and their answers alone, so
-# a change to the smoke test's checks or detectors does not retrain the model.
-SMOKE_SOURCE = PROJECT_ROOT / "sparkdeploy" / "steps" / "smoke_test" / "prompts.py"
 CHAT_MODEL_REPO = "lab/tiny-llama-chat"
 TRAINER_SOURCE = Path(chat_trainer.__file__)
 
 MARKER = "chat-model.done"  # written last into a complete cache entry
+LESSONS_FILE = "lessons.json"  # what the trainer was taught, kept in its cache entry
 TRAIN_TIMEOUT_S = 900.0
 
 
 def chat_model_fingerprint(
-    runtime_version: str, sources: Sequence[Path] = (TRAINER_SOURCE, SMOKE_SOURCE)
+    runtime_version: str, taught: str, trainer: Path = TRAINER_SOURCE
 ) -> str:
-    """Names a trained model: its trainer, the smoke prompts, and the runtime's versions."""
+    """Names a trained model: its trainer, its lessons (as JSON) and the runtime's versions. A
+    change to a check or a detector, or to any prompt the model is not taught, keeps it."""
     digest = hashlib.sha256()
-    for source in sources:
-        digest.update(source.read_bytes() + b"\0")
-    digest.update(runtime_version.encode())
+    for part in (trainer.read_bytes(), taught.encode(), runtime_version.encode()):
+        digest.update(part + b"\0")
     return digest.hexdigest()[:16]
 
 
@@ -69,11 +69,18 @@ def ensure_chat_model(
     """The trained chat model's directory under cache_dir, training it first if needed.
 
     The cache entry is cache_dir/<fingerprint>/, complete once it holds MARKER. Training runs
-    `runtime_python -m lab.chat_trainer` (the host needs no torch) into a staging directory that
-    is renamed into place. runtime_version defaults to the versions the runtime reports.
+    `runtime_python -m lab.chat_trainer` (the host needs no torch) on the lessons, written to
+    LESSONS_FILE, into a staging directory that is renamed into place. runtime_version defaults
+    to the versions the runtime reports.
     """
+    todo = lessons()
+    for lesson in todo:
+        problem = answer_problem(lesson, lesson.answer)
+        if problem:
+            raise LabError(f"the lab chat model's lesson {lesson.name} fails its check: {problem}")
+    taught = lessons_json(todo)
     version = runtime_version if runtime_version is not None else runtime_versions(runtime_python)
-    fingerprint = chat_model_fingerprint(version)
+    fingerprint = chat_model_fingerprint(version, taught)
     final = cache_dir / fingerprint
     if (final / MARKER).is_file():
         return final
@@ -82,7 +89,14 @@ def ensure_chat_model(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        command = [str(runtime_python), "-m", "lab.chat_trainer", str(staging)]
+        (staging / LESSONS_FILE).write_text(taught)
+        command = [
+            str(runtime_python),
+            "-m",
+            "lab.chat_trainer",
+            str(staging / LESSONS_FILE),
+            str(staging),
+        ]
         try:
             result = _run(command, timeout_s=timeout_s)
         except subprocess.TimeoutExpired as error:
@@ -97,7 +111,7 @@ def ensure_chat_model(
                 f"training the lab chat model with {runtime_python} failed ({why}):\n"
                 f"{_tail(result.stderr or result.stdout)}\n"
                 "fix: the runtime's Python needs torch, transformers and tokenizers; the "
-                "message above names the smoke prompt the model could not learn, if any"
+                "message above names the lesson the model could not learn, if any"
             )
         marker = {"fingerprint": fingerprint, "runtime": version, "summary": result.stdout.strip()}
         (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n")

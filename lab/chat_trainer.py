@@ -1,15 +1,10 @@
-"""The trainer of the lab's chat model for real vLLM: a Llama that has learned the smoke test.
+"""The trainer of the lab's chat model for real vLLM: a Llama that has learned its lessons.
 
-The smoke test (sparkdeploy.steps.smoke_test) asks fixed questions at temperature 0 and checks the
-answers. This module trains, deterministically and in well under a minute on two CPU cores, a
-2-layer LlamaForCausalLM with its own byte-level BPE tokenizer to answer exactly those prompts
-(imported from sparkdeploy.steps.smoke_test.prompts, so they cannot drift apart) and then stop
-with EOS:
-
-    the three canaries     -> their expected answers ("5461", "55", "ycarucca")
-    LONG_PROMPT            -> "5461"
-    STREAM_PROMPT          -> STREAM_ANSWER, three short English sentences
-    COPY_PROMPT            -> COPY_SENTENCE
+The smoke test (sparkdeploy.steps.smoke_test) and the quality gate's built-in evals ask fixed
+questions at temperature 0 and check the answers. lab.chat_lessons pairs each of those prompts
+with the one answer to teach; this module trains, deterministically on two CPU cores, a 2-layer
+LlamaForCausalLM with its own byte-level BPE tokenizer to answer exactly those prompts and then
+stop with EOS.
 
 Training sees the exact token sequences the engine sees: the chat template of tokenizer_config
 .json applied by transformers' tokenizer to one user message with add_generation_prompt, then
@@ -18,8 +13,9 @@ EOS included, wins greedy decoding by MIN_MARGIN logits (the engine computes wit
 and a tensor-parallel split, so a near tie could flip), then the saved files are reloaded with
 AutoTokenizer / AutoModelForCausalLM and greedy generation must give each answer then EOS.
 
-It runs (`python -m lab.chat_trainer OUT_DIR`) under the vLLM runtime's Python, which has torch,
-transformers and tokenizers, imported where used; lab.chat_model runs it and caches the result.
+It runs (`python -m lab.chat_trainer LESSONS_JSON OUT_DIR`) under the vLLM runtime's Python,
+which has torch, transformers and tokenizers, imported where used, and not the project's
+dependencies; lab.chat_model writes the lessons, runs it and caches the result.
 """
 
 from __future__ import annotations
@@ -29,15 +25,9 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-STREAM_ANSWER = (
-    "A lighthouse shines a bright light from a tall tower, so ships can see the coast in the "
-    "dark. Each light has its own pattern of flashes, which tells the sailors where they are. "
-    "The beam warns them away from rocks and guides them safely into the harbour."
-)
 
 # Tokenizer and chat format. EOS closes every turn, so the model's answer ends the same way.
 EOS_TOKEN = "<|end|>"
@@ -64,6 +54,9 @@ THREADS = 2  # fixed, not the machine's core count: the float sums, so the bytes
 LEARNING_RATE = 3e-3
 MIN_MARGIN = 8.0  # logits by which each answer token must beat the runner-up
 CHECK_EVERY = 10
+# Rows go in groups of similar length, each padded to its own longest: the long prompt and the
+# short questions padded to one length would cost three times the compute.
+GROUP_LENGTH_RATIO = 1.5
 MAX_STEPS = 3000
 
 MODEL_FILES = (
@@ -84,11 +77,6 @@ _EXTRA_CORPUS = (
 )
 
 
-# ---------------------------------------------------------------------------------------------
-# What the model must answer (runtime and host side: standard library and
-# sparkdeploy.steps.smoke_test's prompts and detectors)
-
-
 @dataclass(frozen=True)
 class Lesson:
     name: str
@@ -96,43 +84,24 @@ class Lesson:
     answer: str
 
 
-def lessons() -> tuple[Lesson, ...]:
-    """Every smoke prompt without tools or reasoning, with the answer the model must give."""
-    from sparkdeploy.steps.smoke_test import prompts
-
-    return (
-        *(Lesson(canary.name, canary.prompt, canary.expected) for canary in prompts.CANARIES),
-        Lesson("long_prompt", prompts.LONG_PROMPT, prompts.CANARIES[0].expected),
-        Lesson("streaming", prompts.STREAM_PROMPT, STREAM_ANSWER),
-        Lesson("exact_copy", prompts.COPY_PROMPT, prompts.COPY_SENTENCE),
-    )
+def lessons_json(todo: Sequence[Lesson]) -> str:
+    """The lessons as the trainer reads them (and the trained model's cache is keyed on)."""
+    return json.dumps([asdict(lesson) for lesson in todo], indent=1) + "\n"
 
 
-def answer_problem(lesson: Lesson, text: str) -> str | None:
-    """Why `text` would fail the smoke check of `lesson`, or None (the smoke's own detectors)."""
-    from sparkdeploy.steps.smoke_test import detectors, prompts
-
-    if text != lesson.answer:
-        return f"expected {lesson.answer!r}, got {text!r}"
-    canary = {c.name: c for c in prompts.CANARIES}.get(lesson.name)
-    if lesson.name == "long_prompt":
-        canary = prompts.CANARIES[0]
-    if canary is not None and not canary.is_answer(text):
-        return f"the smoke check does not accept {text!r} as {canary.expected}"
-    if lesson.name == "exact_copy" and detectors.copy_mismatches(prompts.COPY_SENTENCE, text):
-        return f"the copy check finds changes in {text!r}"
-    return detectors.detect_repetition(text) or detectors.detect_garbled(text)
+def read_lessons(path: Path) -> tuple[Lesson, ...]:
+    return tuple(Lesson(**lesson) for lesson in json.loads(path.read_text()))
 
 
 # ---------------------------------------------------------------------------------------------
 # Trainer (runtime side: torch, transformers, tokenizers, safetensors; imported where used)
 
 
-def train_chat_model(out_dir: Path) -> dict[str, Any]:
-    """Train the model and write its repo files into out_dir; returns a summary.
+def train_chat_model(out_dir: Path, todo: Sequence[Lesson]) -> dict[str, Any]:
+    """Train the model on `todo` and write its repo files into out_dir; returns a summary.
 
-    Raises RuntimeError naming the prompt when the saved model, reloaded with transformers,
-    does not answer a prompt exactly (then EOS) by greedy decoding.
+    Raises RuntimeError naming the lesson when the saved model, reloaded with transformers,
+    does not answer its prompt exactly (then EOS) by greedy decoding.
     """
     started = time.monotonic()
     import torch
@@ -144,12 +113,6 @@ def train_chat_model(out_dir: Path) -> dict[str, Any]:
     torch.set_num_threads(THREADS)
     torch.use_deterministic_algorithms(True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    todo = lessons()
-    for lesson in todo:  # the taught answers must pass the smoke's own checks
-        problem = answer_problem(lesson, lesson.answer)
-        if problem:
-            raise RuntimeError(f"{lesson.name}: the answer to teach fails the smoke: {problem}")
-
     _write_tokenizer(out_dir, todo)
     tokenizer = _load_tokenizer(out_dir)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
@@ -157,21 +120,33 @@ def train_chat_model(out_dir: Path) -> dict[str, Any]:
     examples = [_example(tokenizer, lesson, eos_id) for lesson in todo]
     longest = max(len(prompt) + len(answer) for prompt, answer in examples)
     if longest > MAX_CONTEXT:
-        raise RuntimeError(f"a smoke prompt is {longest} tokens, over the {MAX_CONTEXT} context")
+        raise RuntimeError(f"a lesson is {longest} tokens, over the {MAX_CONTEXT} context")
 
     model = _new_model(eos_id, pad_id)
-    inputs, targets, attention = _batch(examples, pad_id)
+    batches = [_batch(group, pad_id) for group in _length_groups(examples)]
+    answer_tokens = sum(len(answer) for _, answer in examples)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
     model.train()
     step, loss_value, margin = 0, float("nan"), float("-inf")
     while True:
-        logits = model(input_ids=inputs, attention_mask=attention).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
-        )
-        if step % CHECK_EVERY == 0:
-            loss_value = float(loss.detach())
-            margin = _min_margin(logits.detach(), targets)
+        # One step over every example: the mean loss over all answer tokens, summed by group.
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, margins = 0.0, []
+        for inputs, targets, attention in batches:
+            logits = model(input_ids=inputs, attention_mask=attention).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                targets.reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
+            )
+            if step % CHECK_EVERY == 0:
+                margins.append(_min_margin(logits.detach(), targets))
+            (loss / answer_tokens).backward()
+            loss_sum += float(loss.detach())
+        if margins:
+            loss_value = loss_sum / answer_tokens
+            margin = min(margins)
             if margin >= MIN_MARGIN:
                 break
             if step >= MAX_STEPS:
@@ -179,15 +154,13 @@ def train_chat_model(out_dir: Path) -> dict[str, Any]:
                     f"no convergence in {MAX_STEPS} steps: loss {loss_value:.4g}, "
                     f"smallest answer-token margin {margin:.3g} < {MIN_MARGIN}"
                 )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
         optimizer.step()
         step += 1
 
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     _write_small_files(out_dir, eos_id, pad_id)
-    answers = verify_chat_model(out_dir)
+    answers = verify_chat_model(out_dir, todo)
     return {
         "steps": step,
         "loss": loss_value,
@@ -198,10 +171,10 @@ def train_chat_model(out_dir: Path) -> dict[str, Any]:
     }
 
 
-def verify_chat_model(model_dir: Path) -> dict[str, str]:
-    """Greedy answers of the saved model (reloaded with transformers) to every smoke prompt.
+def verify_chat_model(model_dir: Path, todo: Sequence[Lesson]) -> dict[str, str]:
+    """Greedy answers of the saved model (reloaded with transformers) to every lesson's prompt.
 
-    Raises RuntimeError naming the prompt whose answer is not exactly the taught one then EOS,
+    Raises RuntimeError naming the lesson whose answer is not exactly the taught one then EOS,
     or whose tokens win by less than MIN_MARGIN / 2.
     """
     import torch
@@ -214,7 +187,7 @@ def verify_chat_model(model_dir: Path) -> dict[str, str]:
     if tokenizer.eos_token_id != eos_id or model.generation_config.eos_token_id != eos_id:
         raise RuntimeError(f"{model_dir}: EOS is not {EOS_TOKEN} everywhere")
     answers: dict[str, str] = {}
-    for lesson in lessons():
+    for lesson in todo:
         prompt, expected = _example(tokenizer, lesson, eos_id)
         tokens = list(prompt)
         generated: list[int] = []
@@ -236,10 +209,8 @@ def verify_chat_model(model_dir: Path) -> dict[str, str]:
             problem = f"greedy answer {text!r} ({ended}), expected {lesson.answer!r} then EOS"
         elif weakest < MIN_MARGIN / 2:
             problem = f"a token wins by only {weakest:.3g} logits (< {MIN_MARGIN / 2})"
-        else:
-            problem = answer_problem(lesson, text)
         if problem:
-            raise RuntimeError(f"the chat model fails the smoke prompt {lesson.name}: {problem}")
+            raise RuntimeError(f"the chat model fails the lesson {lesson.name}: {problem}")
         answers[lesson.name] = text
     return answers
 
@@ -322,6 +293,24 @@ def _new_model(eos_id: int, pad_id: int) -> Any:
     return LlamaForCausalLM(config)
 
 
+def _length_groups(
+    examples: Sequence[tuple[list[int], list[int]]],
+) -> list[list[tuple[list[int], list[int]]]]:
+    """The examples by length, in groups whose longest is at most GROUP_LENGTH_RATIO times
+    their shortest."""
+
+    def length(example: tuple[list[int], list[int]]) -> int:
+        return len(example[0]) + len(example[1])
+
+    groups: list[list[tuple[list[int], list[int]]]] = []
+    for example in sorted(examples, key=length):
+        if groups and length(example) <= GROUP_LENGTH_RATIO * length(groups[-1][0]):
+            groups[-1].append(example)
+        else:
+            groups.append([example])
+    return groups
+
+
 def _batch(examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[Any, Any, Any]:
     """Right-padded inputs, next-token targets (-100 outside the answers), attention mask."""
     import torch
@@ -369,12 +358,13 @@ def _write_json(path: Path, content: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lab.chat_trainer",
-        description="Train the lab's tiny chat model on the smoke prompts (needs torch).",
+        description="Train the lab's tiny chat model on its lessons (needs torch).",
     )
+    parser.add_argument("lessons", type=Path, help="JSON: [{name, prompt, answer}, ...]")
     parser.add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
     try:
-        summary = train_chat_model(args.out_dir)
+        summary = train_chat_model(args.out_dir, read_lessons(args.lessons))
     except RuntimeError as error:
         print(f"lab.chat_trainer: {error}", file=sys.stderr)
         return 1

@@ -1,5 +1,5 @@
-"""The lab's trained chat model: the host side (cache, fingerprint, publish) without torch, and
-one real training run with the vLLM runtime's Python when there is one."""
+"""The lab's trained chat model: its lessons and the host side (cache, fingerprint, publish)
+without torch, and one real training run with the vLLM runtime's Python when there is one."""
 
 from __future__ import annotations
 
@@ -11,20 +11,28 @@ from pathlib import Path
 import pytest
 
 from lab import chat_model, chat_trainer
+from lab.chat_lessons import TYPO_ANSWERS, answer_problem, lessons
 from lab.chat_model import (
+    LESSONS_FILE,
     MARKER,
-    SMOKE_SOURCE,
     chat_model_fingerprint,
     ensure_chat_model,
     publish_chat_model,
 )
-from lab.chat_trainer import MODEL_FILES, lessons
+from lab.chat_trainer import MODEL_FILES, Lesson, lessons_json, read_lessons
 from lab.hub.index import RepoIndex
 from lab.vllm_runtime import model_cache_dir
 from sparkdeploy.errors import LabError
+from sparkdeploy.spec.recipe_loading import load_recipe
+from sparkdeploy.steps.quality import prompts as quality_prompts
+from sparkdeploy.steps.quality.builtin import is_right
+from sparkdeploy.steps.quality.spelling import typo_rate
 from sparkdeploy.steps.smoke_test import prompts
 
+REAL_1X = Path(__file__).resolve().parent.parent / "recipes" / "real-lab-1x" / "recipe.toml"
+
 RUNTIME_VERSION = "3.11.2 torch==test transformers==test"
+FINGERPRINT = chat_model_fingerprint(RUNTIME_VERSION, lessons_json(lessons()))
 
 
 def _fake_python(path: Path, body: str) -> Path:
@@ -49,24 +57,57 @@ def test_lessons_are_the_smoke_prompts_and_their_answers_pass_the_smoke() -> Non
     assert taught["streaming"].prompt == prompts.STREAM_PROMPT
     assert taught["exact_copy"].answer == prompts.COPY_SENTENCE
     for lesson in taught.values():
-        assert chat_trainer.answer_problem(lesson, lesson.answer) is None, lesson.name
-    assert chat_trainer.answer_problem(taught["exact_copy"], "The keeper polished") is not None
+        assert answer_problem(lesson, lesson.answer) is None, lesson.name
+    assert answer_problem(taught["exact_copy"], "The keeper polished") is not None
 
 
-def test_fingerprint_changes_with_the_smoke_prompts_and_the_runtime(tmp_path: Path) -> None:
-    edited = tmp_path / "prompts.py"
-    edited.write_text(SMOKE_SOURCE.read_text().replace("What is 127*43?", "What is 127*44?"))
-    assert Path(prompts.__file__) == SMOKE_SOURCE
+def test_lessons_answer_every_builtin_eval_prompt_once_as_the_evals_judge() -> None:
+    taught = {lesson.prompt: lesson.answer for lesson in lessons()}
+    assert len(taught) == len(lessons())
+    for question in quality_prompts.QUESTIONS:
+        assert is_right(question, taught[question.prompt]), question.prompt
+    answers = [taught[prompt] for prompt in quality_prompts.TYPO_PROMPTS]
+    assert answers == list(TYPO_ANSWERS)
+    assert typo_rate(answers)[2] == []
+    misspelled = TYPO_ANSWERS[0].replace("breakfast", "braekfast")
+    lesson = Lesson("typo_rate 1", quality_prompts.TYPO_PROMPTS[0], misspelled)
+    assert "lacks 'braekfast'" in str(answer_problem(lesson, misspelled))
+
+
+def test_one_typo_in_the_taught_answers_fails_the_real_engine_recipes_gate() -> None:
+    quality = load_recipe(REAL_1X).quality
+    assert quality is not None
+    assert quality.typo_rate is not None
+    assert quality.typo_rate.samples == len(quality_prompts.TYPO_PROMPTS)
+    _, checked, _ = typo_rate(TYPO_ANSWERS)
+    assert 1 / checked > quality.typo_rate.max_typo_rate
+    assert quality.exact_answers is not None
+    assert quality.exact_answers.min_score == 100
+
+
+def test_lessons_go_to_the_trainer_as_json(tmp_path: Path) -> None:
+    taught = lessons()
+    (tmp_path / LESSONS_FILE).write_text(lessons_json(taught))
+    assert read_lessons(tmp_path / LESSONS_FILE) == taught
+
+
+def test_fingerprint_changes_with_the_trainer_the_lessons_and_the_runtime(tmp_path: Path) -> None:
+    taught = lessons_json(lessons())
     here = Path(chat_trainer.__file__)
-    base = chat_model_fingerprint(RUNTIME_VERSION)
-    assert base == chat_model_fingerprint(RUNTIME_VERSION, (here, SMOKE_SOURCE))
-    assert chat_model_fingerprint(RUNTIME_VERSION, (here, edited)) != base
-    assert chat_model_fingerprint(RUNTIME_VERSION + " tokenizers==x") != base
+    base = chat_model_fingerprint(RUNTIME_VERSION, taught)
+    assert base == chat_model_fingerprint(RUNTIME_VERSION, taught, here)
+    edited = tmp_path / "chat_trainer.py"
+    edited.write_text(here.read_text().replace("MIN_MARGIN = 8.0", "MIN_MARGIN = 9.0"))
+    assert chat_model_fingerprint(RUNTIME_VERSION, taught, edited) != base
+    retaught = taught.replace("What is 127*43?", "What is 127*44?")
+    assert retaught != taught
+    assert chat_model_fingerprint(RUNTIME_VERSION, retaught) != base
+    assert chat_model_fingerprint(RUNTIME_VERSION + " tokenizers==x", taught) != base
 
 
 def test_ensure_reuses_a_complete_cache_entry_without_running_anything(tmp_path: Path) -> None:
     never = _fake_python(tmp_path / "python", "echo ran >&2; exit 3")
-    cached = tmp_path / "cache" / chat_model_fingerprint(RUNTIME_VERSION)
+    cached = tmp_path / "cache" / FINGERPRINT
     _fake_model(cached)
     (cached / MARKER).write_text("{}\n")
     found = ensure_chat_model(never, tmp_path / "cache", runtime_version=RUNTIME_VERSION)
@@ -74,15 +115,19 @@ def test_ensure_reuses_a_complete_cache_entry_without_running_anything(tmp_path:
 
 
 def test_ensure_trains_into_the_cache_when_the_entry_is_incomplete(tmp_path: Path) -> None:
-    # Writes every model file into the directory it is given, as `-m lab.chat_trainer DIR` does.
-    script = " ".join(f'&& echo x > "$3/{name}"' for name in MODEL_FILES)
-    fake = _fake_python(tmp_path / "python", f'test "$2" = lab.chat_trainer {script} && echo done')
+    # Given the lessons, writes every model file into the directory it is given, as
+    # `-m lab.chat_trainer LESSONS DIR` does.
+    script = " ".join(f'&& echo x > "$4/{name}"' for name in MODEL_FILES)
+    fake = _fake_python(
+        tmp_path / "python", f'test "$2" = lab.chat_trainer && test -s "$3" {script} && echo done'
+    )
     cache = tmp_path / "cache"
-    stale = cache / chat_model_fingerprint(RUNTIME_VERSION)
+    stale = cache / FINGERPRINT
     stale.mkdir(parents=True)  # an interrupted run: no marker
     found = ensure_chat_model(fake, cache, runtime_version=RUNTIME_VERSION)
     assert found == stale
     assert json.loads((found / MARKER).read_text())["summary"] == "done"
+    assert read_lessons(found / LESSONS_FILE) == lessons()
     assert sorted(path.name for path in cache.iterdir()) == [found.name]
 
 

@@ -2,7 +2,9 @@
 
 The two-node recipe goes through a Prefect worker and `prefect deployment run`, answers the
 smoke test's canaries, and a worker killed after ready is caught by the watchdog and named.
-The start-up failures real vLLM has are each seen on a real boot: named, quoted, nothing left.
+The one-node recipe passes its quality gate, which fails what the engine samples at a
+temperature that flattens the model's choices. The start-up failures real vLLM has are each
+seen on a real boot: named, quoted, nothing left.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from lab_flows import ask, harness_env, lab_worker, nothing_runs, recipe_variant
+from lab_flows import artifact_rows, ask, harness_env, lab_worker, nothing_runs, recipe_variant
 
 from flows.deploy import Step, deploy
 from flows.smoke import smoke
@@ -26,7 +28,8 @@ from sparkdeploy.remote.ssh import cached_connection, close_cached
 from sparkdeploy.remote.targets import node_target
 from sparkdeploy.spec.cluster import load_cluster
 from sparkdeploy.spec.project import load_plan
-from sparkdeploy.steps.smoke_test import CANARIES
+from sparkdeploy.steps.quality.builtin import typo_rate_eval
+from sparkdeploy.steps.smoke_test import CANARIES, SmokeSettings
 from sparkdeploy.steps.status import cluster_status
 
 pytestmark = [pytest.mark.lab, pytest.mark.real_engine, pytest.mark.usefixtures("prefect_harness")]
@@ -79,9 +82,37 @@ def test_two_nodes_deploy_through_prefect_and_a_killed_worker_is_named(
     nothing_runs(cluster)
 
 
-def test_the_fit_check_estimates_the_kv_cache_the_real_engine_makes(cluster: str) -> None:
-    summary = deploy("real-lab-1x", cluster=cluster, skip=["smoke-test"])
-    teardown("real-lab-1x", cluster=cluster)
+def test_the_quality_gate_passes_and_the_fit_check_estimates_the_kv_cache_real_vllm_makes(
+    cluster: str,
+) -> None:
+    """One deployment for both (the smoke test skipped: the other tests run it)."""
+    state = deploy("real-lab-1x", cluster=cluster, skip=["smoke-test"], return_state=True)
+    summary = state.result()
+    try:
+        rows = {
+            str(row["eval"]): row
+            for row in artifact_rows(
+                str(state.state_details.flow_run_id), f"quality-{summary.deployment_id}"
+            )
+        }
+        print("\n".join(str(row) for row in rows.values()))
+        assert list(rows) == ["typo_rate", "exact_answers"]
+        assert all(row["result"] == "pass" for row in rows.values())
+        assert rows["typo_rate"]["score"] == "0.00 %"
+        assert str(rows["typo_rate"]["evidence"]).startswith("0 of ")
+        assert rows["exact_answers"]["score"] == "100.0 %"
+        # At temperature 2, the API's highest, what vLLM samples strays from the model's memorised
+        # answers within a few words: the same typo eval fails it (18 to 30 % of the words, seen).
+        plan = load_plan("real-lab-1x", cluster)
+        assert plan.quality is not None
+        assert plan.quality.typo_rate is not None
+        flattened = plan.quality.typo_rate.model_copy(update={"temperature": 2.0})
+        degraded = typo_rate_eval(SmokeSettings.for_plan(plan), flattened)
+        print(degraded.verdict())
+        assert degraded.score is not None, degraded.error
+        assert not degraded.passed
+    finally:
+        teardown("real-lab-1x", cluster=cluster)
     runs = Path(load_cluster(Path(cluster)).nas.runs_dir, summary.deployment_id)
     head_log = max(runs.glob("node1*.log"), key=lambda path: path.stat().st_mtime).read_text()
     logged = re.search(r"CPU KV cache size: ([\d,]+) tokens", head_log)

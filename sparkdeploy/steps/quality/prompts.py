@@ -3,7 +3,8 @@ with one right answer, and requests that must call one of the offered tools.
 
 They stay the same from run to run, so that two runs' scores compare. The typo prompts ask for
 everyday prose, whose words a general word list knows (docs/quality.md#the-word-list: on
-technical prose the list's false-positive rate is far higher).
+technical prose the list's false-positive rate is far higher). lab/chat_lessons.py teaches the
+lab's chat model for real vLLM the questions' answers and a paragraph for each typo prompt.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What the smoke test asks, and the answers it must get: the canaries (a question at temperature 0
 with one right answer), the long prompt, the streaming prompt, the sentence to copy, the tool.
 
-lab/chat_model.py trains the lab's chat model on exactly these and keys its cache on this file's
-text: whatever does not change a prompt or an answer belongs in another module.
+lab/chat_lessons.py teaches the lab's chat model for real vLLM exactly these prompts, with
+answers these checks accept.
 """
 
 from __future__ import annotations
