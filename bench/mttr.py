@@ -6,7 +6,8 @@ server, per deployment per hour); and a soak: minutes of healthy serving under l
 events it raised (none is the target).
 
 A 3-node lab, a Prefect server of its own with its services (the repair trigger of
-lab/prefect.yaml's `deploy` acts on the event) and a process worker polling every second; the
+lab/prefect.yaml's `deploy` acts on the event) and a process worker polling as pyproject.toml's
+[tool.prefect.worker] says (every 2 s, as a team's worker started in the checkout does); the
 sentinel's logic runs in this process (as its flow's task would). Faults, each on a deployment
 of its own (the repair budget is per deployment): the head of recipes/lab-single killed
 (node1), the worker of recipes/lab-pair killed (node2-3), and node3's link down for 30 s (back
@@ -405,7 +406,8 @@ def prefect(lab: Lab) -> Iterator[None]:
     try:
         register_deployments(server.env(), ["deploy"])
         worker = start_worker(
-            {**server.env(), "PREFECT_WORKER_QUERY_SECONDS": "1"}, workdir / "worker.log"
+            {k: v for k, v in server.env().items() if k != "PREFECT_WORKER_QUERY_SECONDS"},
+            workdir / "worker.log",
         )
         yield
     finally:

@@ -6,13 +6,11 @@ watchdog's, sparkdeploy.spec.events)."""
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
 from typing import Any
 
 import httpx
 from prefect import get_client, task
 from prefect.cache_policies import NO_CACHE
-from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import VariableCreate, VariableUpdate
 from prefect.client.schemas.filters import (
     FlowFilter,
@@ -25,7 +23,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.events import emit_event
 from prefect.logging import get_run_logger
 
-from sparkdeploy.remote.prefect_api import single_attempt_client
+from sparkdeploy.remote.prefect_api import retried_when_busy, single_attempt_client
 from sparkdeploy.report.history import sentinel_variable
 from sparkdeploy.spec.cluster import Cluster, load_cluster
 from sparkdeploy.spec.events import Health, health_event
@@ -41,34 +39,30 @@ from sparkdeploy.steps.status import cluster_status
 TEARDOWN_FLOW = "teardown"
 _GOING = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
 RECORD_TAGS = ["sparkdeploy", "sentinel"]
+# A write of the record that meets a busy server (SQLite's 503) is sent again for this long: a
+# write on a transition is what status shows until the next, up to 30 s later.
+RECORD_BUSY_RETRY_S = 5.0
 
 
-class RecordWriter:
+def write_record(cluster: str, value: dict[str, Any]) -> None:
     """The sentinel's record of the cluster into its Variable (sparkdeploy.steps.sentinel_record),
-    over one client kept open: each write is one request, sent once (the next is at most 30 s
-    away), where a client of its own would first ask the server for a CSRF token. The first
-    write creates the Variable. Called from one thread at a time (the ledger's writer)."""
-
-    def __init__(self, cluster: str) -> None:
-        self._name = sentinel_variable(cluster)
-        self._open = ExitStack()
-        self._client: SyncPrefectClient | None = None
-
-    def __call__(self, value: dict[str, Any]) -> None:
-        if self._client is None:
-            self._client = self._open.enter_context(single_attempt_client())
+    through the process's kept client (single_attempt_client): each write is one request, sent
+    again only on a busy answer, for RECORD_BUSY_RETRY_S. The first write creates the Variable.
+    Called from the ledger's writer thread, so a retry delays no probe."""
+    name = sentinel_variable(cluster)
+    with single_attempt_client() as client:
         try:
-            self._client.update_variable(VariableUpdate(name=self._name, value=value))
+            retried_when_busy(
+                RECORD_BUSY_RETRY_S, client.update_variable, VariableUpdate(name=name, value=value)
+            )
         except httpx.HTTPStatusError as error:
             if error.response.status_code != 404:
                 raise
-            self._client.create_variable(
-                VariableCreate(name=self._name, value=value, tags=RECORD_TAGS)
+            retried_when_busy(
+                RECORD_BUSY_RETRY_S,
+                client.create_variable,
+                VariableCreate(name=name, value=value, tags=RECORD_TAGS),
             )
-
-    def close(self) -> None:
-        self._open.close()
-        self._client = None
 
 
 class PrefectReporter:
@@ -82,7 +76,6 @@ class PrefectReporter:
         self._cluster = cluster  # as given: the repair deploys with the same name or path
         self._inventory = inventory
         self._logger = logger
-        self._record_writer = RecordWriter(inventory.name)
         self._ledger = ProbeLedger(self._write_record)
 
     def busy(self, plan: Plan) -> str | None:
@@ -132,11 +125,10 @@ class PrefectReporter:
 
     def close(self) -> None:
         self._ledger.close()
-        self._record_writer.close()
 
     def _write_record(self, value: dict[str, Any]) -> None:
         try:
-            self._record_writer(value)
+            write_record(self._inventory.name, value)
         except Exception as error:
             # The record is status's view; the probes and their events go on without it.
             self._logger.warning("the sentinel's record for status was not written: %r", error)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,10 +21,12 @@ from prefect import flow, tags
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.events import emit_event
 
+import tasks.sentinel
 from lab.testing.local_node import LocalNode
 from sparkdeploy.node.compose_model import CACHEDIR_SIGNATURE, KEY_FILE, KEY_LINE_PREFIX
 from sparkdeploy.node.prune import MANIFEST_SUFFIX
 from sparkdeploy.node.usage import measure
+from sparkdeploy.remote.prefect_api import SingleAttemptHttpxClient
 from sparkdeploy.report.history import (
     Fault,
     History,
@@ -53,7 +57,7 @@ from sparkdeploy.steps.status_view import (
     deployment_row,
     usage_requests,
 )
-from tasks.sentinel import RecordWriter
+from tasks.sentinel import write_record
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = load_cluster(ROOT / "clusters" / "dgx-spark-4.toml")
@@ -368,8 +372,7 @@ def test_the_history_and_the_sentinel_record_read_back_from_a_prefect_server(
         a_repair()
     cluster = f"status-test-{tmp_path.name}"
     failed = LastProbe(now, "failed", "suspect", "dgx2", "worker_died", "dgx2 exited (137)")
-    write_record = RecordWriter(cluster)
-    write_record(SentinelRecord(now, {dep: LastProbe(now, "ok", "healthy")}).as_json())
+    write_record(cluster, SentinelRecord(now, {dep: LastProbe(now, "ok", "healthy")}).as_json())
     sent: list[str] = []
     send = httpx.Client.send
 
@@ -379,10 +382,10 @@ def test_the_history_and_the_sentinel_record_read_back_from_a_prefect_server(
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(httpx.Client, "send", counted)
-        write_record(SentinelRecord(now, {dep: failed}).as_json())  # the update
-    write_record.close()
-    # Once created, a write is one request to the server (the sentinel's cost per 30 s).
-    assert sent == [f"PATCH /api/variables/name/{sentinel_variable(cluster)}"]
+        write_record(cluster, SentinelRecord(now, {dep: failed}).as_json())  # the update
+    # Once created, a write is one request to the server (the sentinel's cost per 30 s), sent
+    # again only when the server answers busy (its SQLite meeting another writer).
+    assert set(sent) == {f"PATCH /api/variables/name/{sentinel_variable(cluster)}"}
     with get_client(sync_client=True) as client:
         deadline = time.monotonic() + 60
         while (found := read(client, dep, now)).recovered is None:
@@ -410,3 +413,38 @@ def read(client: SyncPrefectClient, dep: str, now: datetime) -> History:
         repair_window=timedelta(hours=1),
     ).values()
     return history
+
+
+def test_a_record_write_that_meets_a_busy_server_is_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SQLite's 503 (a write that met another writer; seen in CI) and a 429 delay the record's
+    write instead of losing it until the next one, 30 s later; other answers are not retried."""
+    answers = [503, 429, 204, 500]
+    sent: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/csrf-token"):  # as a server without CSRF protection
+            return httpx.Response(422, text="CSRF protection is disabled.", request=request)
+        sent.append(f"{request.method} {request.url.path}")
+        return httpx.Response(answers.pop(0), request=request)
+
+    client = SyncPrefectClient(
+        "http://prefect.invalid/api", httpx_settings={"transport": httpx.MockTransport(answer)}
+    )
+    client._client.__class__ = SingleAttemptHttpxClient
+
+    @contextmanager
+    def the_client() -> Iterator[SyncPrefectClient]:
+        yield client
+
+    waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    monkeypatch.setattr(tasks.sentinel, "single_attempt_client", the_client)
+    write_record("busy", {"at": "now"})
+    assert sent == ["PATCH /api/variables/name/sentinel-busy"] * 3
+    assert len(waits) == 2
+    with pytest.raises(httpx.HTTPStatusError):
+        write_record("busy", {"at": "later"})
+    assert len(sent) == 4
+    assert len(waits) == 2

@@ -53,11 +53,15 @@ the `tasks` package, which every flow imports.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import random
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import httpx
 from prefect.client.base import PrefectHttpxSyncClient
@@ -68,6 +72,13 @@ from prefect.client.schemas.sorting import VariableSort
 
 _CHANGE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _INSTALLED = "_sparkdeploy_unjoined"
+_HTTP_BUSY = frozenset({429, 503})
+# The first wait before a busy answer is retried, doubled each time up to the last.
+BUSY_FIRST_WAIT_S = 0.05
+BUSY_LAST_WAIT_S = 1.0
+
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class SingleAttemptHttpxClient(PrefectHttpxSyncClient):
@@ -90,14 +101,60 @@ class SingleAttemptHttpxClient(PrefectHttpxSyncClient):
 
 @contextlib.contextmanager
 def single_attempt_client() -> Iterator[SyncPrefectClient]:
-    """A Prefect client of the caller's own whose requests are sent once each (the caller
-    retries what it means to). Inside a flow run, the run's shared client is left as it is: a
-    run's client made single-attempt here once failed a later artifact on one dropped
-    connection."""
-    with get_client(httpx_settings={}, sync_client=True) as client:
-        if type(client._client) is PrefectHttpxSyncClient:
-            client._client.__class__ = SingleAttemptHttpxClient
-        yield client
+    """A Prefect client of our own whose requests are sent once each (the caller retries what it
+    means to). Inside a flow run, the run's shared client is left as it is: a run's client made
+    single-attempt here once failed a later artifact on one dropped connection.
+
+    One is kept open per process and API settings (URL, key, TLS), shared by every thread
+    (httpx's client is thread-safe), and closed at exit: making one cost a deploy about 20 ms of
+    CPU each time (Prefect builds an SSL context for every client, parsing the CA file even for
+    an http:// server) and its first write a request for a CSRF token."""
+    from prefect.settings import get_current_settings
+
+    key = get_current_settings().api.model_dump_json()
+    with _KEPT_LOCK:
+        client = _KEPT.get(key)
+        if client is None:
+            client = get_client(httpx_settings={}, sync_client=True)
+            client.__enter__()
+            if type(client._client) is PrefectHttpxSyncClient:
+                client._client.__class__ = SingleAttemptHttpxClient
+            _KEPT[key] = client
+    yield client
+
+
+_KEPT: dict[str, SyncPrefectClient] = {}
+_KEPT_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_kept_clients() -> None:
+    with _KEPT_LOCK:
+        for client in _KEPT.values():
+            with contextlib.suppress(Exception):
+                client.__exit__(None, None, None)
+        _KEPT.clear()
+
+
+def retried_when_busy(
+    within_s: float, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """`call(*args, **kwargs)` (a request of a single_attempt_client), retried on Prefect's busy
+    answers (429, 503: SQLite's "database is locked") and on transport errors, after short,
+    growing, jittered waits, for up to `within_s` seconds; then the last error is raised."""
+    deadline = time.monotonic() + within_s
+    delay = BUSY_FIRST_WAIT_S
+    while True:
+        try:
+            return call(*args, **kwargs)
+        except httpx.HTTPStatusError as error:
+            if error.response.status_code not in _HTTP_BUSY or time.monotonic() >= deadline:
+                raise
+        except httpx.TransportError:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(delay * random.uniform(0.5, 1.5))
+        delay = min(delay * 2, BUSY_LAST_WAIT_S)
 
 
 def filter_variables(
