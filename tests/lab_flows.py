@@ -39,7 +39,7 @@ from sparkdeploy.steps.hold_nodes import holders
 from sparkdeploy.steps.status import cluster_status
 
 if TYPE_CHECKING:
-    from prefect.client.schemas.objects import Artifact, State, TaskRun
+    from prefect.client.schemas.objects import Artifact, Log, State, TaskRun
 
     from sparkdeploy.spec.plan import Plan
     from sparkdeploy.steps.preview import Preview
@@ -160,6 +160,39 @@ def wait_for_state(flow_run_id: str, timeout_s: float = 120.0) -> State:
             assert time.monotonic() < deadline, f"flow run {flow_run_id} still {state}"
             time.sleep(0.5)
     return state
+
+
+FLOW_END = "Finished in state "
+
+
+def final_run_logs(flow_run_id: str | UUID, timeout_s: float = 60.0) -> list[str]:
+    """Every log line of a flow run that a worker ran, once its last one is on the server.
+
+    The flow run's process sends its logs in batches every few seconds and the last of them as
+    it exits, after the run's state is final: a read right after the state turned final, or
+    after the worker (and its flow-run process) was stopped, can miss lines logged long before
+    (CI once missed the prefetch's "hashed" line of a brownfield deploy). The engine logs
+    "Finished in state ..." after it set that state and a process sends its batches in order,
+    so once the flow's own (not a task run's) is there, every line before it is too. Read it
+    before the worker stops."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    of_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(str(flow_run_id))]))
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            found: list[Log] = []
+            while page := client.read_logs(of_run, limit=200, offset=len(found)):
+                found += page
+            lines = [log.message for log in found]
+            if any(log.task_run_id is None and log.message.startswith(FLOW_END) for log in found):
+                return lines
+            assert time.monotonic() < deadline, (
+                f"flow run {flow_run_id}: no {FLOW_END!r} line of its own after {timeout_s:.0f} s:"
+                + "\n".join(["", *lines[-40:]])
+            )
+            time.sleep(0.5)
 
 
 def ask(endpoint: str, model: str, prompt: str, *, timeout_s: float = 30, **body: object) -> str:

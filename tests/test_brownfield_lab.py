@@ -17,6 +17,7 @@ from lab_flows import (
     artifact_rows,
     ask,
     deploy_matches_preview,
+    final_run_logs,
     harness_env,
     lab_worker,
     nothing_runs,
@@ -49,19 +50,6 @@ RECIPE = str(BROWNFIELD_RECIPE)
 KEEP_RESULT = {"env": {"PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true"}}
 
 
-def _run_logs(flow_run_id: str) -> list[str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    with get_client(sync_client=True) as client:
-        filter_ = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
-        found, offset = [], 0
-        while page := client.read_logs(filter_, limit=200, offset=offset):
-            found += [log.message for log in page]
-            offset += len(page)
-    return found
-
-
 def _preview_run(env: dict[str, str], cluster: str) -> tuple[str, Preview]:
     """preview/preview through `prefect deployment run` and the worker, as from the UI: its
     flow run's id and the Preview it returned."""
@@ -82,7 +70,7 @@ def _preview_run(env: dict[str, str], cluster: str) -> tuple[str, Preview]:
     assert named is not None, started.stdout
     run_id = named.group(1)
     state = wait_for_state(run_id, timeout_s=300)
-    assert state.is_completed(), "\n".join(_run_logs(run_id)[-40:])
+    assert state.is_completed(), "\n".join(final_run_logs(run_id)[-40:])
     found = state.result()
     assert isinstance(found, Preview), found
     return run_id, found
@@ -150,7 +138,7 @@ def test_a_first_deploy_on_a_brownfield_lab_adopts_what_is_there_and_moves_no_by
             before = our_containers(plan)
             run_id = deploy_run(env, RECIPE, cluster)
             state = wait_for_state(run_id, timeout_s=600)
-        logs = _run_logs(run_id)
+            logs = final_run_logs(run_id)
         assert state.is_completed(), "\n".join(logs[-40:])
 
         assert hub.stats()["bytes_served"] == 0, hub.requests()  # neither preview nor deploy

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING
 from uuid import UUID
 
 import pytest
-from lab_flows import answers_the_canary, lab_brought_up, nothing_runs, task_history
+from lab_flows import (
+    answers_the_canary,
+    final_run_logs,
+    lab_brought_up,
+    nothing_runs,
+    task_history,
+)
 
 from lab.image import build_engine_image
 from lab.models import publish_lab_models
@@ -401,7 +407,8 @@ def test_a_deploy_whose_worker_died_is_crashed_and_its_nodes_taken_over(
         team.env(), "deploy/deploy", deploy_params(team, nodes), watch_timeout_s=DEPLOY_TIMEOUT_S
     )
     deployment_id = load_plan(RECIPE, inventory(team), nodes).deployment_id
-    assert f"deployment {deployment_id} goes on holding it" in run_logs(again), run_logs(again)
+    logs = "\n".join(final_run_logs(again))
+    assert f"deployment {deployment_id} goes on holding it" in logs, logs
     [running] = cluster_status(load_cluster(Path(inventory(team))))
     assert running.nodes == nodes
     assert running.healthy
