@@ -6,7 +6,7 @@ each round deploys every size warm, in turn, with everything staged and pulled: 
 wall time minus the engine's time to ready (the readiness gate's figure, from the gate's start
 to /v1/models answering) is its overhead. Prints each run's CPU and the time the
 hypervisor stole, the median overhead per size and the ratio of the largest to the smallest,
-overall and by round (targets: 3 nodes <= 1.5 s, 6 nodes <= 1.3x the 3-node figure). Runs
+overall and by round (targets: 3 nodes <= 0.7 s, 6 nodes <= 1.3x the 3-node figure). Runs
 against its own local Prefect server, on SQLite or on a PostgreSQL database of its own
 (--database); needs root.
 
