@@ -278,3 +278,25 @@ def test_the_smoke_checks_the_head_flags_enable_are_the_plans(
     flagged = make_plan(small_recipe(tmp_path, args=flags), example)
     assert (flagged.tool_calls_enabled, flagged.reasoning_enabled) == (True, True)
     assert "lab/tiny" in flagged.head_serve_argv[:3]
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragments"),
+    [
+        (
+            '[[extra_mounts]]\nhost = "/data"\ncontainer = "/mnt/nas/hf-cache/"\n',
+            ["the recipe's extra_mounts[0].container and", "nas.hf_cache", "move the recipe's"],
+        ),
+        (
+            '[composed_model]\nmount = "/mnt/nas/hf-cache"\n',
+            ["nas.hf_cache", "and the recipe's composed_model.mount both mount at"],
+        ),
+    ],
+)
+def test_a_recipe_mount_where_the_nas_cache_mounts_is_refused(
+    tmp_path: Path, example: Cluster, extra: str, fragments: list[str]
+) -> None:
+    with pytest.raises(PlanError) as caught:
+        make_plan(small_recipe(tmp_path, extra), example)
+    for fragment in fragments:
+        assert fragment in str(caught.value)

@@ -168,6 +168,20 @@ CASES: dict[str, tuple[list[Edit], list[list[str]]]] = {
             [f":{Q + 8}: quality.external[0].image 'a b' is not an image reference"],
         ],
     ),
+    "external-image-an-option": (
+        [
+            with_quality(
+                "\n" + EXTERNAL + "command = ['t']\nscore_json = 'a'\nmin_score = 1\n"
+                "image = '--privileged'\n"
+            )
+        ],
+        [
+            [
+                f":{Q + 5}: quality.external[0].image '--privileged' starts with '-', which "
+                "docker would read as an option: write it as docker takes it"
+            ]
+        ],
+    ),
     "external-timeout-and-unknown-key": (
         [
             with_quality(

@@ -2,8 +2,10 @@ import re
 from pathlib import Path
 
 import pytest
+from test_bad_input import GOOD_RECIPE, Edit, edited, expect_problems
 
 from sparkdeploy.errors import RecipeError
+from sparkdeploy.node.hfcache import relative_path_problem
 from sparkdeploy.spec.recipe import DEFAULT_READINESS_TIMEOUT_S, RepoRef
 from sparkdeploy.spec.recipe_loading import load_all_recipes, load_recipe
 
@@ -128,3 +130,241 @@ def test_malformed_recipe_message(name: str) -> None:
     assert message.startswith(str(path))
     for fragment in BAD_RECIPES[name]:
         assert fragment in message
+
+
+ENV = 'OMP_NUM_THREADS = "2"\n'
+IMAGE = 'docker_image = "lab/vllm-standin:latest"'
+ARGS = '"--max-model-len", "4096",'
+MOVE_UP = "because it follows [env] (line 14); move it above the first [table]"
+IMAGE_FORM = "`[registry[:port]/]name[:tag][@sha256:digest]` with a lowercase name"
+ENV_NAME_RULE = "is not an environment variable's name (letters, digits and _, not first a digit)"
+REVISION_FIX = "a revision names a file under the NAS cache's refs/; give a branch, tag or commit"
+
+# name: (edits of tests/test_bad_input.py's good recipe, fragments of each problem in file order)
+EDITED_RECIPES: dict[str, tuple[list[Edit], list[list[str]]]] = {
+    "top-level-string-after-env": (
+        [(ENV, ENV + 'model_revision = "abc"\n')],
+        [
+            [
+                ":16: env.model_revision: a top-level key of the recipe, read as an env variable",
+                MOVE_UP,
+            ]
+        ],
+    ),
+    "top-level-int-after-env": (
+        [(ENV, ENV + "pipeline_parallel_size = 1\n")],
+        [[":16: env.pipeline_parallel_size: a top-level key of the recipe", MOVE_UP]],
+    ),
+    "secret-env-after-env": (
+        [(ENV, ENV + 'secret_env = ["OMP_NUM_THREADS"]\n')],
+        [[":16: env.secret_env: a top-level key of the recipe", MOVE_UP]],
+    ),
+    "image-an-option": (
+        [(IMAGE, 'docker_image = "--privileged"')],
+        [
+            [
+                ":3: docker_image: '--privileged' starts with '-', which docker would read as an "
+                "option",
+                IMAGE_FORM,
+            ]
+        ],
+    ),
+    "image-empty": (
+        [(IMAGE, 'docker_image = ""')],
+        [[":3: docker_image: '' is empty", IMAGE_FORM]],
+    ),
+    "image-with-a-space": (
+        [(IMAGE, 'docker_image = "lab/vllm standin"')],
+        [[":3: docker_image: 'lab/vllm standin' is not an image reference", IMAGE_FORM]],
+    ),
+    "image-uppercase-name": (
+        [(IMAGE, 'docker_image = "lab/VLLM:latest"')],
+        [[":3: docker_image: 'lab/VLLM:latest' is not an image reference"]],
+    ),
+    "env-names": (
+        [(ENV, ENV + '1BAD = "x"\n"A=B" = "y"\n"" = "z"\n"FOO\\n" = "w"\n')],
+        [
+            # The line scanner keeps a quoted key's escapes, so [env]'s line names this one.
+            [":14: env name 'FOO\\n'", ENV_NAME_RULE],
+            [":16: env name '1BAD'", ENV_NAME_RULE, "rename it"],
+            [":17: env name 'A=B'", ENV_NAME_RULE],
+            [":18: env name ''", ENV_NAME_RULE],
+        ],
+    ),
+    "secret-env-name": (
+        [(IMAGE, IMAGE + '\nsecret_env = ["A B"]')],
+        [[":4: secret_env names 'A B', which", ENV_NAME_RULE, "write the [env] name it means"]],
+    ),
+    "repo-id-trailing-newline": (
+        [('model = "lab/tiny-model"', 'model = "lab/tiny-model\\n"')],
+        [[":4: model: 'lab/tiny-model\\n' is not a Hugging Face repo id", "'org/name'"]],
+    ),
+    "repo-id-unicode": (
+        [('model = "lab/tiny-model"', 'model = "lab/tïny-model"')],
+        [[":4: model: 'lab/tïny-model' is not a Hugging Face repo id", "ASCII"]],
+    ),
+    "repo-id-dots": (
+        [('model = "lab/tiny-model"', 'model = "lab/.."')],
+        [[":4: model: 'lab/..' is not a Hugging Face repo id", "no '--' or '..'"]],
+    ),
+    "repo-id-double-dash": (
+        [('model = "lab/tiny-model"', 'model = "lab/tiny--model"')],
+        [[":4: model: 'lab/tiny--model' is not a Hugging Face repo id"]],
+    ),
+    "shm-size-trailing-newline": (
+        [('distributed_backend = "mp"', 'distributed_backend = "mp"\nshm_size = "1gb\\n"')],
+        [[":8: shm_size: '1gb\\n' is not a size"]],
+    ),
+    "port-superscript": (
+        [(ARGS, ARGS + ' "--port", "²",')],
+        [[":9: --port '²' is not a number from 1 to 65535", "write the port vLLM serves on"]],
+    ),
+    "port-zero": ([(ARGS, ARGS + ' "--port", "0",')], [[":9: --port '0' is not a number from 1"]]),
+    "port-too-big": (
+        [(ARGS, ARGS + ' "--port", "99999",')],
+        [[":9: --port '99999' is not a number from 1 to 65535"]],
+    ),
+    "regex-nested-too-deeply": (
+        [("'\\[probe\\] algo=None'", "'" + "(" * 3000 + ")" * 3000 + "'")],
+        [[":30: failure_markers[0].pattern: the regular expression nests its groups too deeply"]],
+    ),
+    "revision-empty": (
+        [('model = "lab/tiny-model"', 'model = "lab/tiny-model"\nmodel_revision = ""')],
+        [[":5: model_revision '' is empty:", REVISION_FIX]],
+    ),
+    "source-revision-dotdot": (
+        [('repo = "lab/tiny-model"', 'repo = "lab/tiny-model"\nrevision = "../../../../etc"')],
+        [
+            [
+                ":21: composed_model.sources[0].revision '../../../../etc' has an empty, '.' or "
+                "'..' component",
+                REVISION_FIX,
+            ]
+        ],
+    ),
+    "parent-revision": (
+        [
+            (
+                'model = "lab/tiny-model"',
+                'model = "lab/tiny-model"\nparent_model = "lab/base"\nparent_model_revision = "/x"',
+            )
+        ],
+        [[":6: parent_model_revision '/x' is absolute:", REVISION_FIX]],
+    ),
+    "entrypoint-one-line": (
+        [(IMAGE, IMAGE + '\nentrypoint = ["vllm serve"]')],
+        [[":4: entrypoint[0] 'vllm serve' holds whitespace", '(e.g. ["vllm", "serve"])']],
+    ),
+    "entrypoint-empty-item": (
+        [(IMAGE, IMAGE + '\nentrypoint = [""]')],
+        [[":4: entrypoint[0] is empty: remove it"]],
+    ),
+    "mount-paths-with-a-colon": (
+        [('host = "~/.cache/vllm"', 'host = "/data:/etc"'), ('mount = "/model"', 'mount = "/m:x"')],
+        [
+            [":18: composed_model.mount '/m:x' holds a ':'", "path without ':'"],
+            [":25: extra_mounts[0].host '/data:/etc' holds a ':', which docker's -v reads"],
+        ],
+    ),
+    "mounts-at-one-place": (
+        [('container = "/root/.cache/vllm"', 'container = "/model/"')],
+        [
+            [
+                ":26: extra_mounts[0].container '/model/' is where composed_model.mount (",
+                "recipe.toml:18) mounts too: give each mount its own place in the container",
+            ]
+        ],
+    ),
+    "local-file-host-dotdot": (
+        [("/var/tmp/engram-local/x.safetensors", "/var/tmp/../../etc/x.safetensors")],
+        [
+            [
+                ":22: composed_model.local_files[0].host '/var/tmp/../../etc/x.safetensors' holds "
+                "a '..' component: write the path it means without '..'"
+            ]
+        ],
+    ),
+    "parallel-size-too-big": (
+        [("tensor_parallel_size = 2", "tensor_parallel_size = 100000000")],
+        [
+            [
+                ":6: tensor_parallel_size: 100000000 is more than 1024, beyond any cluster",
+                "write the number of nodes or GPUs meant",
+            ]
+        ],
+    ),
+    "readiness-timeout-fraction": (
+        [(ENV, ENV + 'VLLM_ENGINE_READY_TIMEOUT_S = "60.5"\n')],
+        [[":16: env.VLLM_ENGINE_READY_TIMEOUT_S '60.5' must be a positive number", "int()"]],
+    ),
+    "readiness-timeout-inf": (
+        [(ENV, ENV + 'VLLM_ENGINE_READY_TIMEOUT_S = "inf"\n')],
+        [[":16: env.VLLM_ENGINE_READY_TIMEOUT_S 'inf' must be a positive number"]],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDITED_RECIPES))
+def test_edited_recipe_message(tmp_path: Path, name: str) -> None:
+    edits, problems = EDITED_RECIPES[name]
+    path = tmp_path / "recipe.toml"
+    path.write_text(edited(GOOD_RECIPE, edits))
+    expect_problems(load_recipe, path, RecipeError, problems)
+
+
+def test_a_pin_below_env_is_not_an_env_variable(tmp_path: Path) -> None:
+    path = tmp_path / "recipe.toml"
+    path.write_text(GOOD_RECIPE.replace(ENV, ENV + 'model_revision = "abc"\n'))
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(path)
+    assert "must be a string" not in str(caught.value)
+
+
+def test_image_references_docker_takes_load(tmp_path: Path) -> None:
+    path = tmp_path / "recipe.toml"
+    for image in (
+        "ubuntu",
+        "registry.local:5000/org/vllm_x__y:v1.2-rc",
+        f"lab/x@sha256:{'a' * 64}",
+    ):
+        path.write_text(GOOD_RECIPE.replace(IMAGE, f'docker_image = "{image}"'))
+        assert load_recipe(path).docker_image == image
+
+
+@pytest.mark.parametrize(
+    "revision", ["main", "refs/pr/1", "0" * 40, "", "a//b", "./x", "a/..", "/etc"]
+)
+def test_a_revision_is_refused_as_the_prefetch_refuses_it(tmp_path: Path, revision: str) -> None:
+    path = tmp_path / "recipe.toml"
+    path.write_text(GOOD_RECIPE.replace(IMAGE, f'{IMAGE}\nmodel_revision = "{revision}"'))
+    try:
+        load_recipe(path)
+    except RecipeError as exc:
+        refused: str | None = str(exc)
+    else:
+        refused = None
+    assert (refused is None) == (relative_path_problem(revision) is None), refused
+
+
+def test_a_from_file_symlink_out_of_the_recipe_dir_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    recipe_dir = tmp_path / "recipe"
+    recipe_dir.mkdir()
+    (recipe_dir / "config.json").symlink_to(outside)
+    path = recipe_dir / "recipe.toml"
+    local = 'host = "/var/tmp/engram-local/x.safetensors"'
+    path.write_text(
+        GOOD_RECIPE.replace(local, 'host = "/var/tmp/local/config.json"\nfrom_file = "config.json"')
+    )
+    expect_problems(
+        load_recipe,
+        path,
+        RecipeError,
+        [
+            [
+                ":23: composed_model.local_files[0].from_file:",
+                f"config.json leads to {outside}, outside the recipe's dir (a symlink)",
+            ]
+        ],
+    )

@@ -77,3 +77,48 @@ def test_lookup_by_canonical_name() -> None:
     args = normalise_args(["--served_model_name", "dsv41"])
     assert args.value("--served-model-name") == "dsv41"
     assert args.find("--port") is None
+
+
+@pytest.mark.parametrize(
+    ("token", "fragments"),
+    [
+        ("--max-num-seqs 4", ["args[0]: '--max-num-seqs' and what follows it are one item"]),
+        ("--x;id", ["args[0]: '--x;id' is not a flag name", "`--name` or `-x`"]),
+        ("--tïny", ["args[0]: '--tïny' is not a flag name"]),
+    ],
+)
+def test_a_flag_name_vllm_has_no_form_for_is_refused(token: str, fragments: list[str]) -> None:
+    with pytest.raises(RecipeError) as caught:
+        normalise_args([token])
+    for fragment in fragments:
+        assert fragment in str(caught.value)
+
+
+def test_a_secret_flag_and_its_value_in_one_item_never_show_the_value() -> None:
+    with pytest.raises(RecipeError) as caught:
+        normalise_args(["--api-key sk-live-1234", "--port", "8000"])
+    assert "sk-live-1234" not in str(caught.value)
+    assert str(caught.value).splitlines() == [
+        "args[0]: '--api-key' and what follows it are one item, and no shell splits args: write "
+        'the flag and its value as items of their own ("--api-key", "<its value>")'
+    ]
+
+
+def test_vllm_flag_forms_pass() -> None:
+    args = normalise_args(
+        ["-tp", "2", "-O3", "--compilation-config.mode", "3", "--max_model_len=8"]
+    )
+    assert [flag.name for flag in args.flags] == [
+        "-tp",
+        "-O3",
+        "--compilation-config.mode",
+        "--max_model_len",
+    ]
+
+
+def test_json_nested_too_deeply_is_a_problem_not_a_crash() -> None:
+    with pytest.raises(RecipeError) as caught:
+        normalise_args(["--compilation-config", "[" * 3000 + "]" * 3000])
+    assert str(caught.value) == (
+        "args[0]: --compilation-config: the JSON nests too deeply to read; write it flatter"
+    )

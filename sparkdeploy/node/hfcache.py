@@ -12,6 +12,21 @@ import re
 _FULL_SHA = re.compile(r"[0-9a-f]{40}")
 
 
+def relative_path_problem(name: str) -> str | None:
+    """Why `name` cannot be a path below a directory (None: it can): a hub's file names and a
+    recipe's revisions (a file under refs/) are POSIX paths relative to their directory, and one
+    with a `..` component or an absolute one would name a path outside the cache."""
+    if not name:
+        return "is empty"
+    if "\0" in name:
+        return "holds a NUL byte"
+    if name.startswith("/"):
+        return "is absolute"
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        return "has an empty, '.' or '..' component"
+    return None
+
+
 class SnapshotNotFound(Exception):
     """The repo or revision is not in the HF cache; the message names the path and the fix."""
 

@@ -5,6 +5,8 @@ puts one in each node's plan). Plain data, like the plan.
 
 from __future__ import annotations
 
+import posixpath
+
 from pydantic import BaseModel, ConfigDict, SecretStr
 
 from sparkdeploy.errors import PlanError
@@ -138,25 +140,35 @@ def _node_env(
 
 
 def _mounts(recipe: Recipe, cluster: Cluster, node: Node, composed_root: str | None) -> list[Mount]:
-    mounts = []
+    # Each mount with the key that sets it, to name both of two at one place in the container.
+    mounts: list[tuple[str, Mount]] = []
     if recipe.composed_model is not None and composed_root is not None:
-        mounts.append(
-            Mount(source=composed_root, target=recipe.composed_model.mount, read_only=True)
-        )
+        composed = Mount(source=composed_root, target=recipe.composed_model.mount, read_only=True)
+        mounts.append(("the recipe's composed_model.mount", composed))
     # Composed snapshots are symlinks into the NAS cache: it must resolve at its own path.
-    mounts.append(Mount(source=cluster.nas.hf_cache, target=cluster.nas.hf_cache, read_only=True))
-    for extra in recipe.extra_mounts:
+    nas = Mount(source=cluster.nas.hf_cache, target=cluster.nas.hf_cache, read_only=True)
+    mounts.append((f"{cluster.path}'s nas.hf_cache (the NAS cache, mounted at its own path)", nas))
+    for index, extra in enumerate(recipe.extra_mounts):
         host = extra.host
         if host == "~" or host.startswith("~/"):
             host = node.home + host[1:]
-        mounts.append(Mount(source=host, target=extra.container, read_only=extra.read_only))
-    for mount in mounts:
+        mount = Mount(source=host, target=extra.container, read_only=extra.read_only)
+        mounts.append((f"the recipe's extra_mounts[{index}].container", mount))
+    first_by_target: dict[str, str] = {}
+    for key, mount in mounts:
         if ":" in mount.source or ":" in mount.target:
             raise PlanError(
                 f"recipe {recipe.recipe_id}: mount {mount.source} -> {mount.target} has a ':' "
                 "that docker's -v cannot carry; rename the path"
             )
-    return mounts
+        first = first_by_target.setdefault(posixpath.normpath(mount.target), key)
+        if first != key:
+            # docker refuses to start such a container ("Duplicate mount point"), on the node.
+            raise PlanError(
+                f"recipe {recipe.recipe_id}: {key} and {first} both mount at {mount.target} in "
+                "the container; docker allows one mount at a place: move the recipe's one"
+            )
+    return [mount for _, mount in mounts]
 
 
 def serve_argv(recipe: Recipe) -> list[str]:

@@ -29,6 +29,21 @@ TOOL_CHOICE_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser")
 
 _PATH_STEP = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_NAME_RULE = "letters, digits and _, not first a digit"
+# docker's reference grammar (distribution/reference, regexp.go): [host[:port]/]name[:tag][@digest]
+# with lowercase name components; an image the grammar refuses fails only at the pull, on a node.
+_DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_DOMAIN = rf"{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*(?::[0-9]+)?"
+_NAME_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE_REFERENCE = re.compile(
+    rf"(?:{_DOMAIN}/)?{_NAME_COMPONENT}(?:/{_NAME_COMPONENT})*"
+    r"(?::\w[\w.-]{0,127})?(?:@sha256:[0-9a-f]{64})?",
+    re.ASCII,
+)
+IMAGE_REFERENCE_FORM = (
+    "write it as docker takes it, `[registry[:port]/]name[:tag][@sha256:digest]` with a "
+    'lowercase name (e.g. "lab/vllm-standin:latest")'
+)
 _PLACEHOLDER_INSIDE = re.compile(r"\{(endpoint|model|score_file|api_key)\}")
 _PLACEHOLDER_LIKE = re.compile(r"\{[a-z_]+\}")
 
@@ -97,6 +112,25 @@ class Quality(_Strict):
         """Every eval's name, in the order the quality gate runs them."""
         builtin = [name for name in BUILTIN_EVALS if getattr(self, name) is not None]
         return builtin + [external.name for external in self.external]
+
+
+def is_env_name(name: str) -> bool:
+    """Whether `name` can be an environment variable's name: a POSIX shell's rule, which docker's
+    `-e NAME=value` and env files need too (a `=` or a newline would split the entry)."""
+    return _ENV_NAME.fullmatch(name) is not None
+
+
+def image_reference_problem(reference: str) -> str | None:
+    """Why `reference` is no docker image reference (None: it is one); shared by the recipe's
+    docker_image and an external eval's image."""
+    if not reference:
+        return "is empty"
+    if reference.startswith("-"):
+        return "starts with '-', which docker would read as an option"
+    # The grammar's longest reference: 255 name characters, a 128-character tag, a digest.
+    if len(reference) > 512 or _IMAGE_REFERENCE.fullmatch(reference) is None:
+        return "is not an image reference"
+    return None
 
 
 def json_path_steps(path: str) -> list[str | int]:
@@ -185,15 +219,16 @@ def _external_problems(external: ExternalEval, at: KeyPath, where: Where) -> lis
             f"{where(at)}: {key} needs one threshold: min_score (a score at least this passes) "
             "or max_score (at most this passes)"
         )
-    if not _ENV_NAME.fullmatch(external.api_key_env):
+    if not is_env_name(external.api_key_env):
         problems.append(
             f"{where((*at, 'api_key_env'))}: {key}.api_key_env {external.api_key_env!r} is not "
-            "an environment variable's name (letters, digits and _, not first a digit)"
+            f"an environment variable's name ({ENV_NAME_RULE})"
         )
-    if external.image is not None and not re.fullmatch(r"\S+", external.image):
+    image_problem = None if external.image is None else image_reference_problem(external.image)
+    if image_problem is not None:
         problems.append(
-            f"{where((*at, 'image'))}: {key}.image {external.image!r} is not an image "
-            "reference: write it as docker run takes it (`org/name:tag`)"
+            f"{where((*at, 'image'))}: {key}.image {external.image!r} {image_problem}: "
+            f"{IMAGE_REFERENCE_FORM}"
         )
     return problems
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from sparkdeploy.errors import RecipeError
 from sparkdeploy.secrecy import API_KEY_ENV, API_KEY_FLAG, FLAG_ENV, is_secret_name
-from sparkdeploy.spec.quality import Quality
+from sparkdeploy.spec.quality import IMAGE_REFERENCE_FORM, Quality, image_reference_problem
 from sparkdeploy.vllm.args import VllmArgs, normalise_args
 
 DEFAULT_API_PORT = 8000
@@ -24,8 +24,18 @@ DEFAULT_API_PORT = 8000
 DEFAULT_READINESS_TIMEOUT_S = 600.0
 READINESS_ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_SHM_SIZE = re.compile(r"^\d+(\.\d+)?[bkmgt]?b?$", re.IGNORECASE)
+# huggingface_hub's validate_repo_id: each part starts and ends with a letter, digit or _, a name
+# holds at most 96 characters and the id no "--" or ".."; ASCII only.
+_REPO_ID = re.compile(r"\w(?:[\w.-]*\w)?/\w(?:[\w.-]{0,94}\w)?", re.ASCII)
+_SHM_SIZE = re.compile(r"\d+(\.\d+)?[bkmgt]?b?", re.IGNORECASE | re.ASCII)
+# Sizes a cluster could hold; far beyond, a plan lists ranks and nodes by the million.
+MAX_PARALLEL_SIZE = 1024
+
+
+def is_repo_id(repo: str) -> bool:
+    """Whether `repo` is a Hugging Face repo id the hub accepts, written as 'org/name'."""
+    return _REPO_ID.fullmatch(repo) is not None and "--" not in repo and ".." not in repo
+
 
 # vLLM's CPU build leaves its platform's ray_device_key empty, so its Ray executor stops at start
 # (vllm/v1/executor/ray_utils.py: "current platform cpu does not support ray").
@@ -64,6 +74,10 @@ class MarkerSpec(_Strict):
             raise ValueError(
                 f"not a valid regular expression ({exc}); escape a literal [ ] ( ) . * + ? with "
                 "a backslash (in a '...' string TOML keeps backslashes as written)"
+            ) from None
+        except RecursionError:
+            raise ValueError(
+                "the regular expression nests its groups too deeply to compile; write it flatter"
             ) from None
         return pattern
 
@@ -148,9 +162,31 @@ class Recipe(_Strict):
     @field_validator("model", "parent_model")
     @classmethod
     def _is_repo_id(cls, repo: str | None) -> str | None:
-        if repo is not None and not _REPO_ID.match(repo):
-            raise ValueError(f"{repo!r} is not a Hugging Face repo id; write it as 'org/name'")
+        if repo is not None and not is_repo_id(repo):
+            raise ValueError(
+                f"{repo!r} is not a Hugging Face repo id; write it as 'org/name' (ASCII "
+                "letters, digits, _ . -; each part starts and ends with a letter, digit or _; "
+                "no '--' or '..')"
+            )
         return repo
+
+    @field_validator("required_nodes", "tensor_parallel_size", "pipeline_parallel_size")
+    @classmethod
+    def _within_a_cluster(cls, size: int) -> int:
+        if size > MAX_PARALLEL_SIZE:
+            raise ValueError(
+                f"{size} is more than {MAX_PARALLEL_SIZE}, beyond any cluster this deploys to; "
+                "write the number of nodes or GPUs meant"
+            )
+        return size
+
+    @field_validator("docker_image")
+    @classmethod
+    def _is_image_reference(cls, image: str) -> str:
+        problem = image_reference_problem(image)
+        if problem is not None:
+            raise ValueError(f"{image!r} {problem}: {IMAGE_REFERENCE_FORM}")
+        return image
 
     @field_validator("distributed_backend", mode="before")
     @classmethod
@@ -162,7 +198,7 @@ class Recipe(_Strict):
     @field_validator("shm_size")
     @classmethod
     def _is_size(cls, size: str | None) -> str | None:
-        if size is not None and not _SHM_SIZE.match(size):
+        if size is not None and not _SHM_SIZE.fullmatch(size):
             raise ValueError(f'{size!r} is not a size; write it like "32gb" or "512m"')
         return size
 
@@ -240,7 +276,7 @@ class Recipe(_Strict):
         if flag is None or not isinstance(flag.json_value, dict):
             return None
         model = flag.json_value.get("model")
-        if isinstance(model, str) and _REPO_ID.match(model):
+        if isinstance(model, str) and is_repo_id(model):
             return model
         return None
 

@@ -8,11 +8,15 @@ that lead out of where they must stay, env the plan sets per node, sizes that do
 
 from __future__ import annotations
 
+import dataclasses
+import posixpath
+import re
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from sparkdeploy.errors import RecipeError
+from sparkdeploy.node.hfcache import relative_path_problem
 from sparkdeploy.secrecy import (
     API_KEY_FLAG,
     FLAG_ENV,
@@ -21,10 +25,10 @@ from sparkdeploy.secrecy import (
     unsafe_value_problem,
 )
 from sparkdeploy.spec.memory import read_memory_flags
-from sparkdeploy.spec.quality import TOOL_CHOICE_FLAGS, quality_problems
+from sparkdeploy.spec.quality import ENV_NAME_RULE, TOOL_CHOICE_FLAGS, is_env_name, quality_problems
 from sparkdeploy.spec.recipe import RAY_REFUSAL, READINESS_ENV, ComposedLocalFile, Recipe
 from sparkdeploy.spec.toml_validation import validate_document
-from sparkdeploy.spec.tomlfile import KeyPath, format_key, load_toml
+from sparkdeploy.spec.tomlfile import KeyPath, TomlDocument, format_key, load_toml
 from sparkdeploy.vllm.args import VllmArgs, is_flag, parse_args
 
 # Flags the plan sets from recipe keys or per node; a recipe that also sets them would fight it.
@@ -53,6 +57,9 @@ _PLAN_ENV = {
 
 Where = Callable[[KeyPath], str]
 
+# The port vLLM's --port takes (an int the OS can bind).
+_PORTS = range(1, 65536)
+
 
 def _arg_problems(recipe: Recipe, where: Where, backend_known: bool) -> list[str]:
     """Problems of args; the backend's agreement is checked only if `backend_known` (valid)."""
@@ -77,13 +84,21 @@ def _arg_problems(recipe: Recipe, where: Where, backend_known: bool) -> list[str
             "(or drop the flag: the plan adds it)"
         )
     port = args.find("--port")
-    if port is not None and not (port.value or "").isdigit():
-        problems.append(f"{where(('args', port.index))}: --port {port.value!r} is not a number")
+    if port is not None and not _is_port(port.value or ""):
+        problems.append(
+            f"{where(('args', port.index))}: --port {port.value!r} is not a number from "
+            f"{_PORTS.start} to {_PORTS.stop - 1}: write the port vLLM serves on"
+        )
     problems += _secret_flag_problems(recipe, args, where)
     served = args.find("--served-model-name")
     if served is not None and served.value is None:
         problems.append(f"{where(('args', served.index))}: --served-model-name needs a value")
     return problems
+
+
+def _is_port(text: str) -> bool:
+    # isdigit() alone takes "²" and "٣", which int() then refuses.
+    return text.isascii() and text.isdigit() and int(text) in _PORTS
 
 
 def _chooses_tools(args: VllmArgs) -> bool:
@@ -156,32 +171,73 @@ def _path_problems(recipe: Recipe, where: Where, broken: frozenset[str]) -> list
                 f"{where(('docker_image_dir',))}: docker_image_dir {image_dir!r} must name a"
                 " directory under images/: a relative path without '..'"
             )
+    # Where the container sees each mount, by the key that sets it.
+    targets: list[tuple[KeyPath, str]] = []
     if "composed_model" not in broken and recipe.composed_model is not None:
         composed = recipe.composed_model
+        mount_key: KeyPath = ("composed_model", "mount")
+        targets.append((mount_key, composed.mount))
         if not composed.mount.startswith("/"):
             problems.append(
-                f"{where(('composed_model', 'mount'))}: composed_model.mount "
+                f"{where(mount_key)}: composed_model.mount "
                 f"{composed.mount!r} must be an absolute path in the container"
             )
+        problems += _mount_colon_problems([(mount_key, composed.mount)], where)
         for index, local in enumerate(composed.local_files):
+            local_key: KeyPath = ("composed_model", "local_files", index, "host")
             if not local.host.startswith("/"):
-                local_key: KeyPath = ("composed_model", "local_files", index, "host")
                 problems.append(
                     f"{where(local_key)}: {format_key(local_key)} {local.host!r} must be an "
                     "absolute path on the node"
                 )
+            elif ".." in PurePosixPath(local.host).parts:
+                # The file is written there as root on every node: '..' would lead anywhere.
+                problems.append(
+                    f"{where(local_key)}: {format_key(local_key)} {local.host!r} holds a '..' "
+                    "component: write the path it means without '..'"
+                )
             problems += _local_file_problems(local, index, where)
     for index, mount in enumerate([] if "extra_mounts" in broken else recipe.extra_mounts):
+        host_key: KeyPath = ("extra_mounts", index, "host")
+        container_key: KeyPath = ("extra_mounts", index, "container")
+        targets.append((container_key, mount.container))
         if not (mount.host.startswith("/") or mount.host == "~" or mount.host.startswith("~/")):
-            key: KeyPath = ("extra_mounts", index, "host")
             problems.append(
-                f"{where(key)}: {format_key(key)} {mount.host!r} must be absolute or start with "
-                "~/ (the SSH user's home on the node)"
+                f"{where(host_key)}: {format_key(host_key)} {mount.host!r} must be absolute or "
+                "start with ~/ (the SSH user's home on the node)"
             )
         if not mount.container.startswith("/"):
-            key = ("extra_mounts", index, "container")
             problems.append(
-                f"{where(key)}: {format_key(key)} {mount.container!r} must be an absolute path"
+                f"{where(container_key)}: {format_key(container_key)} {mount.container!r} must "
+                "be an absolute path"
+            )
+        problems += _mount_colon_problems(
+            [(host_key, mount.host), (container_key, mount.container)], where
+        )
+    return problems + _duplicate_target_problems(targets, where)
+
+
+def _mount_colon_problems(paths: list[tuple[KeyPath, str]], where: Where) -> list[str]:
+    return [
+        f"{where(key)}: {format_key(key)} {path!r} holds a ':', which docker's -v reads as the "
+        "end of the path; use a path without ':' (a symlink to it, on the node)"
+        for key, path in paths
+        if ":" in path
+    ]
+
+
+def _duplicate_target_problems(targets: list[tuple[KeyPath, str]], where: Where) -> list[str]:
+    """Two mounts at one place in the container: docker refuses to start it ("Duplicate mount
+    point"), on the node, after the prefetch."""
+    problems = []
+    first_by_target: dict[str, KeyPath] = {}
+    for key, target in targets:
+        normal = posixpath.normpath(target)
+        first = first_by_target.setdefault(normal, key)
+        if first != key:
+            problems.append(
+                f"{where(key)}: {format_key(key)} {target!r} is where {format_key(first)} "
+                f"({where(first)}) mounts too: give each mount its own place in the container"
             )
     return problems
 
@@ -218,17 +274,22 @@ def _leads_out(relative: str) -> bool:
     return not parts or relative.startswith("/") or ".." in parts
 
 
-def _missing_ops_files(recipe: Recipe, where: Where) -> list[str]:
-    """Each local file's from_file must be a file under the recipe dir (one that leads out of it
-    is _local_file_problems')."""
+def _missing_ops_files(recipe: Recipe, recipe_dir: Path, where: Where) -> list[str]:
+    """Each local file's from_file must be a file under the recipe dir (one whose path leads out
+    of it is _local_file_problems'; here, one that is a symlink to a file outside it)."""
     problems = []
     local_files = recipe.composed_model.local_files if recipe.composed_model else []
     for index, local in enumerate(local_files):
         path = recipe.ops_file(local)
         if path is None or _leads_out(str(local.from_file)):
             continue
-        if not path.is_file():
-            key: KeyPath = ("composed_model", "local_files", index, "from_file")
+        key: KeyPath = ("composed_model", "local_files", index, "from_file")
+        if path.is_file() and not path.resolve().is_relative_to(recipe_dir.resolve()):
+            problems.append(
+                f"{where(key)}: {format_key(key)}: {path} leads to {path.resolve()}, outside the "
+                "recipe's dir (a symlink); put the file itself under the recipe's dir"
+            )
+        elif not path.is_file():
             problems.append(
                 f"{where(key)}: {format_key(key)}: {path} does not exist (or is not a file); "
                 f"put the file for {PurePosixPath(local.host).name} there, or fix from_file "
@@ -240,7 +301,12 @@ def _missing_ops_files(recipe: Recipe, where: Where) -> list[str]:
 def _secret_problems(recipe: Recipe, where: Where) -> list[str]:
     problems = []
     for index, name in enumerate(recipe.secret_env):
-        if name not in recipe.env:
+        if not is_env_name(name):
+            problems.append(
+                f"{where(('secret_env', index))}: secret_env names {name!r}, which is not an "
+                f"environment variable's name ({ENV_NAME_RULE}); write the [env] name it means"
+            )
+        elif name not in recipe.env:
             problems.append(
                 f"{where(('secret_env', index))}: secret_env names {name!r}, which [env] does"
                 " not set; add it to [env] or remove it from secret_env"
@@ -288,6 +354,9 @@ def recipe_problems(
             )
     if args_valid and valid("quality") and recipe.quality is not None:
         problems += quality_problems(recipe.quality, _chooses_tools(recipe.vllm_args), where)
+    if valid("entrypoint"):
+        problems += _entrypoint_problems(recipe, where)
+    problems += _revision_problems(recipe, where, broken)
     if valid("blocked") and recipe.blocked is not None and not recipe.blocked.strip():
         problems.append(
             f"{where(('blocked',))}: blocked is empty; say why the recipe is blocked or remove it"
@@ -301,8 +370,51 @@ def recipe_problems(
     return problems
 
 
-def _env_problems(recipe: Recipe, where: Where) -> list[str]:
+def _entrypoint_problems(recipe: Recipe, where: Where) -> list[str]:
+    """Each item is one word of the argv docker runs (no shell splits it)."""
     problems = []
+    for index, item in enumerate(recipe.entrypoint or []):
+        at = where(("entrypoint", index))
+        if not item.strip():
+            problems.append(f"{at}: entrypoint[{index}] is empty: remove it")
+        elif any(char.isspace() for char in item):
+            problems.append(
+                f"{at}: entrypoint[{index}] {item!r} holds whitespace, and no shell splits it: "
+                'write each word as an item of its own (e.g. ["vllm", "serve"])'
+            )
+    return problems
+
+
+def _revision_problems(recipe: Recipe, where: Where, broken: frozenset[str]) -> list[str]:
+    revisions: list[tuple[KeyPath, str | None]] = []
+    if "model_revision" not in broken:
+        revisions.append((("model_revision",), recipe.model_revision))
+    if "parent_model_revision" not in broken:
+        revisions.append((("parent_model_revision",), recipe.parent_model_revision))
+    if "composed_model" not in broken and recipe.composed_model is not None:
+        revisions += [
+            (("composed_model", "sources", index, "revision"), source.revision)
+            for index, source in enumerate(recipe.composed_model.sources)
+        ]
+    problems = []
+    for key, revision in revisions:
+        problem = None if revision is None else relative_path_problem(revision)
+        if problem is not None:
+            problems.append(
+                f"{where(key)}: {format_key(key)} {revision!r} {problem}: a revision names a "
+                "file under the NAS cache's refs/; give a branch, tag or commit sha (or remove "
+                "the key for the default branch)"
+            )
+    return problems
+
+
+def _env_problems(recipe: Recipe, where: Where) -> list[str]:
+    problems = [
+        f"{where(('env', name))}: env name {name!r} is not an environment variable's name "
+        f"({ENV_NAME_RULE}); rename it"
+        for name in recipe.env
+        if not is_env_name(name)
+    ]
     for key, source in _PLAN_ENV.items():
         if key in recipe.env:
             problems.append(
@@ -314,17 +426,32 @@ def _env_problems(recipe: Recipe, where: Where) -> list[str]:
             'the prefetched cache and never the hub; remove it or set "1"'
         )
     timeout = recipe.env.get(READINESS_ENV)
-    if timeout is not None:
-        try:
-            valid = float(timeout) > 0
-        except ValueError:
-            valid = False
-        if not valid:
-            problems.append(
-                f"{where(('env', READINESS_ENV))}: env.{READINESS_ENV} {timeout!r} must be a "
-                "positive number of seconds"
-            )
+    # vLLM reads it with int() (vllm-project/vllm, vllm/envs.py): "60.5" or "inf" stops its start.
+    if timeout is not None and not (re.fullmatch("[0-9]+", timeout) and int(timeout) > 0):
+        problems.append(
+            f"{where(('env', READINESS_ENV))}: env.{READINESS_ENV} {timeout!r} must be a "
+            "positive number of seconds without a fraction (vLLM reads it with int())"
+        )
     return problems
+
+
+def _without_top_level_keys_in_env(document: TomlDocument) -> tuple[TomlDocument, list[str]]:
+    """The document without the top-level keys its [env] holds, and a problem for each: to TOML
+    a key written below [env] is an env variable, so its own setting (a revision pin) would be
+    lost without a word."""
+    env = document.data.get("env")
+    if not isinstance(env, dict):
+        return document, []
+    misplaced = [name for name in env if name in Recipe.model_fields]
+    header = document.lines.get(("env",))
+    problems = [
+        f"{document.where(('env', name))}: env.{name}: a top-level key of the recipe, read as an "
+        f"env variable because it follows [env] (line {header or document.line_of(('env', name))});"
+        " move it above the first [table]"
+        for name in misplaced
+    ]
+    data = {**document.data, "env": {name: env[name] for name in env if name not in misplaced}}
+    return dataclasses.replace(document, data=data), problems
 
 
 def header_blocked_reason(text: str) -> str | None:
@@ -360,12 +487,14 @@ def load_recipe(path: Path) -> Recipe:
             "move it to clusters/<name>.toml (sparkdeploy validate checks files in clusters/ as "
             "inventories); nothing else in it was checked"
         )
-    validated = validate_document(document, Recipe, secret_at=_secret_value_at(document.data))
+    checked, misplaced_problems = _without_top_level_keys_in_env(document)
+    validated = validate_document(checked, Recipe, secret_at=_secret_value_at(document.data))
     recipe = validated.value
-    problems = validated.problems + recipe_problems(recipe, document.where, validated.broken)
+    problems = misplaced_problems + validated.problems
+    problems += recipe_problems(recipe, document.where, validated.broken)
     recipe.set_origin(recipe_id_for(path), path.parent, header_blocked_reason(document.text))
     if "composed_model" not in validated.broken:
-        problems += _missing_ops_files(recipe, document.where)
+        problems += _missing_ops_files(recipe, path.parent, document.where)
     if problems:
         raise RecipeError("\n".join(document.in_file_order(problems)))
     return recipe

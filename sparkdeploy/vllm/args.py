@@ -30,6 +30,9 @@ JSON_FLAGS = frozenset(
 )
 
 _NEGATIVE_NUMBER = re.compile(r"-\d")
+# vLLM's flags as its parser takes them: `--max-num-seqs`, `-tp`, `-O3`, and the dotted keys of a
+# JSON flag (`--compilation-config.mode`); anything else fails vLLM's start, after the prefetch.
+_FLAG_NAME = re.compile(r"-{1,2}[A-Za-z0-9][A-Za-z0-9_.-]*", re.ASCII)
 
 
 def canonical_flag(flag: str) -> str:
@@ -103,13 +106,16 @@ def _normalise_value(flag: str, raw: str) -> tuple[str, Any]:
         return raw, None
     try:
         parsed = json.loads(text)
+        compact = json.dumps(parsed, separators=(",", ":"), ensure_ascii=False)
     except json.JSONDecodeError as exc:
         snippet = text[max(0, exc.pos - 15) : exc.pos + 15]
         raise ValueError(
             f"{flag}: invalid JSON at {_json_error_position(text, exc)}: {exc.msg} "
             f"(near {snippet!r}); fix the JSON (keys and strings in double quotes)"
         ) from None
-    return json.dumps(parsed, separators=(",", ":"), ensure_ascii=False), parsed
+    except RecursionError:
+        raise ValueError(f"{flag}: the JSON nests too deeply to read; write it flatter") from None
+    return compact, parsed
 
 
 def parse_args(
@@ -150,8 +156,11 @@ def parse_args(
             index += 1
         else:
             value = None
-        parsed = None
         after_secret = is_secret_flag(name)
+        if _FLAG_NAME.fullmatch(name) is None:
+            problems.append(f"{where(start)}: {_flag_name_problem(name)}")
+            continue
+        parsed = None
         if value is not None and not after_secret:  # a secret is passed as written, never echoed
             try:
                 value, parsed = _normalise_value(name, value)
@@ -172,6 +181,21 @@ def parse_args(
         seen[flag.canonical] = flag
         flags.append(flag)
     return VllmArgs(flags=tuple(flags)), problems
+
+
+def _flag_name_problem(name: str) -> str:
+    """Why an args item that starts with '-' is no flag; what follows a space is never quoted
+    (`--api-key KEY` written as one item holds a secret there)."""
+    first_word = name.split(maxsplit=1)[0] if name.strip() else name
+    if first_word != name:
+        return (
+            f"{first_word!r} and what follows it are one item, and no shell splits args: write "
+            f'the flag and its value as items of their own ("{first_word}", "<its value>")'
+        )
+    return (
+        f"{name!r} is not a flag name: vLLM's flags are `--name` or `-x` (ASCII letters, digits, "
+        "- _ .); write the flag's value in its own item or after '='"
+    )
 
 
 def normalise_args(

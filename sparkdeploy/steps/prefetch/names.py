@@ -14,6 +14,7 @@ import re
 from collections.abc import Sequence
 
 from sparkdeploy.errors import PrefetchError
+from sparkdeploy.node.hfcache import relative_path_problem
 from sparkdeploy.steps.prefetch.hub import HubAccess, HubFile, RepoLike
 
 # huggingface_hub's own form of a commit hash (constants.py, REGEX_COMMIT_HASH) and of a git
@@ -25,20 +26,6 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 def is_commit_sha(value: str) -> bool:
     return _COMMIT_SHA.fullmatch(value) is not None
-
-
-def relative_path_problem(name: str) -> str | None:
-    """Why `name` cannot be a path below a directory (None: it can): the hub's names are POSIX
-    paths relative to the repo's root."""
-    if not name:
-        return "is empty"
-    if "\0" in name:
-        return "holds a NUL byte"
-    if name.startswith("/"):
-        return "is absolute"
-    if any(part in ("", ".", "..") for part in name.split("/")):
-        return "has an empty, '.' or '..' component"
-    return None
 
 
 def check_revision_name(ref: RepoLike) -> None:
