@@ -68,9 +68,28 @@ def _default_paths(root: Path) -> list[Path]:
     return recipe_paths(root / "recipes") + sorted((root / "clusters").glob("*.toml"))
 
 
+def _missing_problem(path: Path, root: Path) -> str:
+    """A path to check that does not exist, with the files that do."""
+    if _is_inventory(path):
+        known = ", ".join(
+            inventory.stem
+            for inventory in sorted(path.parent.glob("*.toml"))
+            if inventory.is_file()
+        )
+        return f"{path}: does not exist (inventories in {path.parent}: {known or 'none'})"
+    known = ", ".join(recipe.parent.name for recipe in recipe_paths(root / "recipes"))
+    return (
+        f"{path}: does not exist (recipes under {root / 'recipes'}: {known or 'none'}); name a "
+        "recipe dir or file, or an inventory clusters/<name>.toml"
+    )
+
+
 def _problems_of(path: Path, check_files: bool, root: Path) -> list[str]:
-    if path.is_dir():
+    # A directory named *.toml is a mistaken inventory or recipe file, not a recipe dir.
+    if path.is_dir() and path.suffix != ".toml":
         path = path / "recipe.toml"
+    if not path.exists():
+        return [_missing_problem(path, root)]
     try:
         if _is_inventory(path):
             cluster = load_cluster(path)
@@ -220,6 +239,20 @@ def _plan_text(plan: Plan, fit_unchecked: str | None, root: Path) -> str:
     return "\n".join(out)
 
 
+def _node_names(nodes: str | None) -> list[str] | None:
+    """--nodes as a list of names; an empty item (`--nodes ,`, `n1,,n2`) is refused, since
+    taking it as no selection would deploy onto other nodes than the ones meant."""
+    if nodes is None:
+        return None
+    names = [name.strip() for name in nodes.split(",")]
+    if not all(names):
+        raise SparkDeployError(
+            f"--nodes {nodes!r} has an empty node name: name each node, comma-separated in rank "
+            "order (--nodes n1,n2), or leave out --nodes to take the first nodes listed"
+        )
+    return names
+
+
 @app.command()
 def plan(
     recipe: Annotated[str, typer.Argument(help="A recipe name under recipes/ or a path.")],
@@ -255,12 +288,7 @@ def plan(
     """Print what a deployment would run on each node (never runs it); with --live, what a
     deploy would do now (reads the cluster, changes nothing)."""
     try:
-        result = load_plan(
-            recipe,
-            cluster,
-            [name.strip() for name in nodes.split(",") if name.strip()] if nodes else None,
-            root,
-        )
+        result = load_plan(recipe, cluster, _node_names(nodes), root)
     except SparkDeployError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None

@@ -67,6 +67,26 @@ def test_validate_refuses_a_docker_image_dir_not_under_images(tmp_path: Path) ->
     assert runner.invoke(app, ["validate", "--root", str(tmp_path)]).exit_code == 0
 
 
+def test_validate_names_a_missing_or_directory_path_with_what_is_there(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "recipes" / "lab-single", tmp_path / "recipes" / "lab-single")
+    (tmp_path / "clusters" / "dir.toml").mkdir(parents=True)
+    shutil.copy(ROOT / "clusters" / "dgx-spark-4.toml", tmp_path / "clusters")
+    paths = [
+        tmp_path / "clusters" / "dir.toml",
+        tmp_path / "recipes" / "nope",
+        tmp_path / "clusters" / "nope.toml",
+    ]
+    result = runner.invoke(app, ["validate", "--root", str(tmp_path), *map(str, paths)])
+    assert result.exit_code == 1
+    assert result.stdout.splitlines() == [
+        f"{paths[0]}: is a directory, not a TOML file: name the file (a recipe is "
+        "recipes/<name>/recipe.toml, an inventory clusters/<name>.toml)",
+        f"{paths[1]}: does not exist (recipes under {tmp_path / 'recipes'}: lab-single); name a "
+        "recipe dir or file, or an inventory clusters/<name>.toml",
+        f"{paths[2]}: does not exist (inventories in {tmp_path / 'clusters'}: dgx-spark-4)",
+    ]
+
+
 def test_validate_with_nothing_to_check_fails(tmp_path: Path) -> None:
     result = runner.invoke(app, ["validate", "--root", str(tmp_path)])
     assert result.exit_code == 1
@@ -169,3 +189,11 @@ def test_plan_errors_name_what_to_fix() -> None:
     )
     assert too_few.exit_code == 1
     assert "2 nodes selected (dgx1, dgx2) but the recipe needs required_nodes = 4" in too_few.stderr
+    empty_name = runner.invoke(
+        app,
+        ["plan", "lab-single", "--cluster", "dgx-spark-4", "--nodes", ",", "--root", str(ROOT)],
+    )
+    assert empty_name.exit_code == 1
+    assert "--nodes ',' has an empty node name: name each node, comma-separated" in (
+        empty_name.stderr
+    )

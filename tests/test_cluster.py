@@ -164,3 +164,93 @@ def test_malformed_inventory_message(name: str) -> None:
     assert message.startswith(str(path))
     for fragment in BAD_INVENTORIES[name]:
         assert fragment in message
+
+
+def test_a_directory_for_known_hosts_or_a_key_is_named_as_one(tmp_path: Path) -> None:
+    cluster = load_cluster(write_contract_inventory(tmp_path))
+    (tmp_path / "known_hosts").mkdir()
+    (tmp_path / "id_ed25519").mkdir()
+    known_hosts, identity = cluster.missing_files()
+    assert f"known_hosts {tmp_path / 'known_hosts'} is a directory: point known_hosts at" in (
+        known_hosts
+    )
+    assert (
+        f"identity_file {tmp_path / 'id_ed25519'} (nodes node1, node2) is a directory: point "
+        "identity_file at the private key file" in identity
+    )
+
+
+# Each edit of the contract inventory: the fragments its error must contain.
+EDITED_INVENTORIES: dict[str, tuple[list[tuple[str, str]], list[str]]] = {
+    "empty-name": ([('name = "lab"', 'name = ""')], [":1: name: must not be empty"]),
+    "empty-ssh-user": (
+        [('user = "root"', 'user = ""')],
+        [":5: ssh.user: must not be empty: write the SSH user's name, or remove the key"],
+    ),
+    "empty-node-user": ([('user = "ops"', 'user = ""')], [":25: nodes[1].user: must not be"]),
+    "empty-host": (
+        [('host = "10.77.0.12"', 'host = ""')],
+        [":23: nodes[1].host: must not be empty: write the node's SSH address"],
+    ),
+    "empty-node-netdev": (
+        [('user = "ops"', 'user = "ops"\nfabric_netdev = ""')],
+        [":26: nodes[1].fabric_netdev: must not be empty", "remove the key on a node to use"],
+    ),
+    "empty-node-identity": (
+        [('user = "ops"', 'user = "ops"\nidentity_file = " "')],
+        [":26: nodes[1].identity_file: must not be empty: write the path of the SSH private key"],
+    ),
+    "name-ending-in-newline": (
+        [('name = "node2"', 'name = "node2\\n"')],
+        [":22: nodes[1].name: 'node2\\n' is not a usable node name"],
+    ),
+    "profile-variable-ending-in-newline": (
+        [('NCCL_IB_DISABLE = "0"', '"NCCL_IB_DISABLE\\n" = "0"')],
+        [":43: nccl.ds4: 'NCCL_IB_DISABLE\\n' is not an env variable name: letters, digits"],
+    ),
+    "fabric-ip-not-an-ip": (
+        [('fabric_ip = "10.77.0.12"', 'fabric_ip = "not an ip; id"')],
+        [":24: nodes[1].fabric_ip: 'not an ip; id' is not an IPv4 address", "like 192.168."],
+    ),
+    "hca-names-with-separators": (
+        [('roce_hcas = ["rocep1s0f1"]', 'roce_hcas = ["a,b", "c d"]')],
+        [":27: nodes[1].roce_hcas: 'a,b' is not an HCA name", "list each HCA as its own string"],
+    ),
+    "hosts-differing-in-case": (
+        [
+            ('host = "10.77.0.11"', 'host = "node.lan"'),
+            ('host = "10.77.0.12"', 'host = "NODE.lan"'),
+            ("port = 2222\n", ""),
+        ],
+        [":21: SSH host:port NODE.lan:22 is already used by nodes[0]", "as node.lan:22 (host"],
+    ),
+    "too-many-gpus": (
+        [("gpus = 1", "gpus = 100000000")],
+        [":11: node_defaults.gpus: 100000000 is more than 64 GPUs on one node: write the"],
+    ),
+    "too-much-memory": (
+        [("gid_index = 3", "gid_index = 3\nmemory_gib = 1e9")],
+        [":29: nodes[1].memory_gib: 1000000000.0 is more than 16384 GiB on one node"],
+    ),
+    "endless-connect-timeout": (
+        [("connect_timeout_s = 10", "connect_timeout_s = inf")],
+        [":8: ssh.connect_timeout_s: inf is more than 3600 seconds"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDITED_INVENTORIES))
+def test_edited_inventory_message(tmp_path: Path, name: str) -> None:
+    edits, fragments = EDITED_INVENTORIES[name]
+    text = CONTRACT_INVENTORY
+    for old, new in edits:
+        assert old in text
+        text = text.replace(old, new, 1)
+    path = tmp_path / "lab.toml"
+    path.write_text(text)
+    with pytest.raises(InventoryError) as caught:
+        load_cluster(path)
+    message = str(caught.value)
+    assert message.startswith(str(path))
+    for fragment in fragments:
+        assert fragment in message

@@ -5,7 +5,7 @@ import pytest
 
 from sparkdeploy.errors import RecipeError
 from sparkdeploy.spec.toml_validation import validate_document
-from sparkdeploy.spec.tomlfile import format_key, load_toml
+from sparkdeploy.spec.tomlfile import MAX_NESTING, format_key, load_toml
 
 FIXTURES = Path(__file__).parent / "fixtures" / "bad"
 
@@ -62,7 +62,13 @@ def test_unclosed_basic_string_names_the_line_it_opened_on() -> None:
     [
         ("a = b\n", "file.toml:1:5: not a valid value: quote strings"),
         ("a = 1 2\n", "file.toml:1:7: unexpected text after the value"),
-        ("[x]\n[x]\n", "file.toml:2:3: Cannot declare ('x',) twice: a table may be declared once"),
+        ("[x]\n[x]\n", "file.toml:2:1: table [x] is declared twice (first on line 1): declare it"),
+        ("a.b = 1\n[a]\n", "file.toml:2:3: Cannot declare ('a',) twice: a table may be declared"),
+        ("a = { b = 1, }\n", "file.toml:1:14: expected a key: a key is bare"),
+        ("a = { b = 1, }\n", "an inline table takes no comma after its last value (`{ a = 1 }`)"),
+        ("a = { b = 1 c = 2 }\n", "file.toml:1:13: expected `,` or `}` in the inline table"),
+        ('a = "C:\\q"\n', 'file.toml:1:10: a backslash in a "string" starts an escape'),
+        ('a = "C:\\q"\n', "write \\\\ for a backslash itself, or use a 'literal string'"),
         (
             "a = { b = 1\nc = 2\n",
             "file.toml:1:5: the inline table opened on line 1 is never closed",
@@ -78,9 +84,25 @@ def test_syntax_errors_in_words(tmp_path: Path, text: str, expected: str) -> Non
     assert expected in str(caught.value)
 
 
+def test_deep_nesting_is_refused_before_the_parser_overflows_the_stack(tmp_path: Path) -> None:
+    deep = f"x = 1\nrun_options = {'[' * 3000}{']' * 3000}\n"
+    with pytest.raises(RecipeError) as caught:
+        load_toml(write(tmp_path, deep), RecipeError)
+    assert "file.toml:2:15: arrays or inline tables nested 3000 levels deep" in str(caught.value)
+    assert f"at most {MAX_NESTING} are read" in str(caught.value)
+    brackets_in_strings_and_comments = "a = \"[[[[{{\"  # ]]]][[[[\nb = '''{{{'''\nc = [[1]]\n"
+    at_the_limit = f"x = {'[' * MAX_NESTING}{']' * MAX_NESTING}\n"
+    for text in (brackets_in_strings_and_comments, at_the_limit):
+        load_toml(write(tmp_path, text), RecipeError)
+
+
 def test_unreadable_and_non_utf8_files(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match=r"absent\.toml: cannot read"):
         load_toml(tmp_path / "absent.toml", RecipeError)
+    directory = tmp_path / "dir.toml"
+    directory.mkdir()
+    with pytest.raises(RecipeError, match=r"dir\.toml: is a directory, not a TOML file: name the"):
+        load_toml(directory, RecipeError)
     path = tmp_path / "latin1.toml"
     path.write_bytes(b'a = "caf\xe9"\n')
     with pytest.raises(RecipeError, match=r"not UTF-8 text \(byte 8\); save it as UTF-8"):

@@ -8,19 +8,23 @@ downstream sees one complete `Node` per machine.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from sparkdeploy.errors import InventoryError, PlanError
 from sparkdeploy.spec.toml_validation import validate_document
 from sparkdeploy.spec.tomlfile import KeyPath, TomlDocument, format_key, load_toml
 
-_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Matched with fullmatch: `$` would let a name end in a newline.
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Like mlx5_0 or rocep1s0f1: NCCL_IB_HCA joins the list with commas, so a name holds none.
+_HCA_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # Set per node by the plan; a profile that also set them would be overridden silently.
 _PER_NODE_ENV = (
     "NCCL_SOCKET_IFNAME",
@@ -34,17 +38,90 @@ _PER_NODE_ENV = (
 RoceHcas = list[str] | Literal["auto"]
 GidIndex = int | Literal["auto"]
 
+# Upper bounds that catch a slip of the keyboard, far above any machine's figure.
+MAX_GPUS_PER_NODE = 64
+MAX_MEMORY_GIB = 16384.0
+MAX_CONNECT_TIMEOUT_S = 3600.0
+
+_Value = TypeVar("_Value")
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+def _not_empty(fix: str) -> AfterValidator:
+    """A string that may not be empty or blank (an empty one would not fall back to the default);
+    `fix` says what to write instead."""
+
+    def check(value: str) -> str:
+        if not value.strip():
+            raise ValueError(f"must not be empty: {fix}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _at_most(limit: float, unit: str, fix: str) -> AfterValidator:
+    def check(value: float) -> float:
+        if value > limit:
+            raise ValueError(f"{value} is more than {limit:g} {unit}: {fix}")
+        return value
+
+    return AfterValidator(check)
+
+
+SshUser = Annotated[
+    str,
+    _not_empty(
+        "write the SSH user's name, or remove the key for the default ([ssh] user, else root)"
+    ),
+]
+IdentityFile = Annotated[
+    str,
+    _not_empty(
+        "write the path of the SSH private key (absolute, or relative to this file), or remove "
+        "the key on a node to use [ssh]'s"
+    ),
+]
+FabricNetdev = Annotated[
+    str,
+    _not_empty(
+        "write the netdev carrying fabric_ip (e.g. enp1s0f1np1), or remove the key on a node to "
+        "use [node_defaults]'s"
+    ),
+]
+ConnectTimeout = Annotated[
+    float,
+    Field(gt=0),
+    _at_most(MAX_CONNECT_TIMEOUT_S, "seconds", "write how long to wait for a node's SSH answer"),
+]
+GpuCount = Annotated[
+    int,
+    Field(ge=1),
+    _at_most(MAX_GPUS_PER_NODE, "GPUs on one node", "write the node's GPU count"),
+]
+MemoryGib = Annotated[
+    float,
+    Field(gt=0),
+    _at_most(
+        MAX_MEMORY_GIB, "GiB on one node", "write the node's memory in GiB (a GB10's: 121.63)"
+    ),
+]
+
+
 def _check_roce_hcas(value: Any) -> Any:
     if value is None or value == "auto":
         return value
-    if isinstance(value, list) and value and all(isinstance(h, str) and h for h in value):
-        return value
-    raise ValueError('must be "auto" or a non-empty list of HCA names like ["rocep1s0f1"]')
+    if not (isinstance(value, list) and value and all(isinstance(h, str) for h in value)):
+        raise ValueError('must be "auto" or a non-empty list of HCA names like ["rocep1s0f1"]')
+    for name in value:
+        if not _HCA_NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not an HCA name: letters, digits, '_', '.', '-' only, like "
+                '"mlx5_0" or "rocep1s0f1"; list each HCA as its own string'
+            )
+    return value
 
 
 def _check_gid_index(value: Any) -> Any:
@@ -56,10 +133,10 @@ def _check_gid_index(value: Any) -> Any:
 
 
 class SshDefaults(_Strict):
-    user: str = "root"
+    user: SshUser = "root"
     port: int = Field(default=22, ge=1, le=65535)
-    identity_file: str | None = None
-    connect_timeout_s: float = Field(default=10.0, gt=0)
+    identity_file: IdentityFile | None = None
+    connect_timeout_s: ConnectTimeout = 10.0
 
 
 # A DGX Spark's GB10: the memory CUDA reports as its total (docs/field.md#nodes-and-fabric).
@@ -70,9 +147,9 @@ DEFAULT_ENGINE_OVERHEAD_GIB = 4.0
 
 
 class NodeDefaults(_Strict):
-    gpus: int = Field(default=1, ge=1)
-    fabric_netdev: str | None = None
-    memory_gib: float = Field(default=GB10_MEMORY_GIB, gt=0)
+    gpus: GpuCount = 1
+    fabric_netdev: FabricNetdev | None = None
+    memory_gib: MemoryGib = GB10_MEMORY_GIB
     unified_memory: bool = True
     engine_overhead_gib: float = Field(default=DEFAULT_ENGINE_OVERHEAD_GIB, ge=0)
     roce_hcas: RoceHcas = "auto"
@@ -88,15 +165,15 @@ class NodeEntry(_Strict):
     """One [[nodes]] table: its own keys plus any [ssh]/[node_defaults] key overridden."""
 
     name: str
-    host: str
+    host: Annotated[str, _not_empty("write the node's SSH address (a DNS name or an IP)")]
     fabric_ip: str
-    user: str | None = None
+    user: SshUser | None = None
     port: int | None = Field(default=None, ge=1, le=65535)
-    identity_file: str | None = None
-    connect_timeout_s: float | None = Field(default=None, gt=0)
-    gpus: int | None = Field(default=None, ge=1)
-    fabric_netdev: str | None = None
-    memory_gib: float | None = Field(default=None, gt=0)
+    identity_file: IdentityFile | None = None
+    connect_timeout_s: ConnectTimeout | None = None
+    gpus: GpuCount | None = None
+    fabric_netdev: FabricNetdev | None = None
+    memory_gib: MemoryGib | None = None
     unified_memory: bool | None = None
     engine_overhead_gib: float | None = Field(default=None, ge=0)
     roce_hcas: RoceHcas | None = None
@@ -109,12 +186,26 @@ class NodeEntry(_Strict):
     @field_validator("name")
     @classmethod
     def _container_safe(cls, name: str) -> str:
-        if not _NODE_NAME.match(name):
+        if not _NODE_NAME.fullmatch(name):
             raise ValueError(
                 f"{name!r} is not a usable node name: letters, digits, '_', '.', '-' only "
                 "(it becomes part of container names)"
             )
         return name
+
+    @field_validator("fabric_ip")
+    @classmethod
+    def _ipv4(cls, fabric_ip: str) -> str:
+        # IPv4 only: the endpoint URL (http://<fabric_ip>:<port>) takes it unbracketed, and the
+        # boot finds the node's RoCE v2 GID by its IPv4 address.
+        try:
+            ipaddress.IPv4Address(fabric_ip)
+        except ValueError:
+            raise ValueError(
+                f"{fabric_ip!r} is not an IPv4 address: write the node's address on the fabric, "
+                "like 192.168.100.11"
+            ) from None
+        return fabric_ip
 
 
 class Nas(_Strict):
@@ -146,7 +237,10 @@ class DockerSettings(_Strict):
     gpus: str = "all"
     run_options: list[str] = Field(default_factory=list)
     ulimits: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ULIMITS))
-    registry: str | None = None
+    registry: (
+        Annotated[str, _not_empty("write the registry's host:port, or remove the key for none")]
+        | None
+    ) = None
     drop_page_cache: bool = False
     # How fast a node pulls an image (from its registry or the cluster's), in GB/s: the
     # preview's expected times of a pull or a ship.
@@ -155,7 +249,13 @@ class DockerSettings(_Strict):
 
 class HubSettings(_Strict):
     # The Hugging Face endpoint the flow host prefetches from; None: HF_ENDPOINT, else the hub.
-    endpoint: str | None = None
+    endpoint: (
+        Annotated[
+            str,
+            _not_empty("write the hub's URL, or remove the key for HF_ENDPOINT or the public hub"),
+        ]
+        | None
+    ) = None
     # Send the HF token to a plain-http endpoint (it crosses the network in clear text).
     allow_http_token: bool = False
     # How fast the flow host downloads from the hub into the NAS, in GB/s (10^9 bytes): the
@@ -166,8 +266,19 @@ class HubSettings(_Strict):
 class InventoryFile(_Strict):
     """The inventory file as written."""
 
-    name: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
+    name: (
+        Annotated[
+            str, _not_empty("write the cluster's name, or remove the key to use the file's name")
+        ]
+        | None
+    ) = None
+    known_hosts: Annotated[
+        str,
+        _not_empty(
+            "write the path of the nodes' known_hosts file, or remove the key for "
+            "~/.ssh/known_hosts"
+        ),
+    ] = "~/.ssh/known_hosts"
     ssh: SshDefaults = Field(default_factory=SshDefaults)
     node_defaults: NodeDefaults = Field(default_factory=NodeDefaults)
     nodes: list[NodeEntry] = Field(min_length=1)
@@ -217,14 +328,25 @@ class Cluster(_Strict):
     def missing_files(self) -> list[str]:
         """Flow-host files the SSH connections need that do not exist, one problem each."""
         problems = []
-        if not Path(self.known_hosts).is_file():
+        if Path(self.known_hosts).is_dir():
+            problems.append(
+                f"{self.path}: known_hosts {self.known_hosts} is a directory: point known_hosts "
+                "at the file holding the nodes' host keys"
+            )
+        elif not Path(self.known_hosts).is_file():
             problems.append(
                 f"{self.path}: known_hosts {self.known_hosts} does not exist: create it with the "
                 "nodes' host keys (ssh-keyscan -H HOST >> FILE, after checking the keys)"
             )
         for identity in sorted({node.identity_file for node in self.nodes}):
-            if not Path(identity).is_file():
-                users = [node.name for node in self.nodes if node.identity_file == identity]
+            users = [node.name for node in self.nodes if node.identity_file == identity]
+            if Path(identity).is_dir():
+                problems.append(
+                    f"{self.path}: identity_file {identity} (nodes {', '.join(users)}) is a "
+                    "directory: point identity_file at the private key file (e.g. "
+                    f"{Path(identity) / 'id_ed25519'})"
+                )
+            elif not Path(identity).is_file():
                 problems.append(
                     f"{self.path}: identity_file {identity} (nodes {', '.join(users)}) does not "
                     "exist: create the key or point identity_file at it"
@@ -269,13 +391,18 @@ def _resolve_file(value: str, base: Path) -> str:
     return str(path if path.is_absolute() else (base / path).resolve())
 
 
+def _or_default(value: _Value | None, default: _Value) -> _Value:
+    """A node's own value when the file sets it, else the default (an empty one was refused)."""
+    return default if value is None else value
+
+
 def _merge_node(
     inventory: InventoryFile, index: int, base: Path, where: Callable[[KeyPath], str]
 ) -> tuple[Node | None, list[str]]:
     entry = inventory.nodes[index]
     ssh, defaults = inventory.ssh, inventory.node_defaults
-    identity = entry.identity_file or ssh.identity_file
-    netdev = entry.fabric_netdev or defaults.fabric_netdev
+    identity = _or_default(entry.identity_file, ssh.identity_file)
+    netdev = _or_default(entry.fabric_netdev, defaults.fabric_netdev)
     problems = []
     if identity is None:
         problems.append(
@@ -292,42 +419,48 @@ def _merge_node(
     node = Node(
         name=entry.name,
         host=entry.host,
-        port=entry.port or ssh.port,
-        user=entry.user or ssh.user,
+        port=_or_default(entry.port, ssh.port),
+        user=_or_default(entry.user, ssh.user),
         identity_file=_resolve_file(identity, base),
-        connect_timeout_s=entry.connect_timeout_s or ssh.connect_timeout_s,
-        gpus=entry.gpus or defaults.gpus,
+        connect_timeout_s=_or_default(entry.connect_timeout_s, ssh.connect_timeout_s),
+        gpus=_or_default(entry.gpus, defaults.gpus),
         fabric_ip=entry.fabric_ip,
         fabric_netdev=netdev,
-        roce_hcas=entry.roce_hcas if entry.roce_hcas is not None else defaults.roce_hcas,
-        gid_index=entry.gid_index if entry.gid_index is not None else defaults.gid_index,
-        memory_gib=entry.memory_gib or defaults.memory_gib,
-        unified_memory=(
-            entry.unified_memory if entry.unified_memory is not None else defaults.unified_memory
-        ),
-        engine_overhead_gib=(
-            entry.engine_overhead_gib
-            if entry.engine_overhead_gib is not None
-            else defaults.engine_overhead_gib
-        ),
-        disk_gb_per_s=entry.disk_gb_per_s or defaults.disk_gb_per_s,
+        roce_hcas=_or_default(entry.roce_hcas, defaults.roce_hcas),
+        gid_index=_or_default(entry.gid_index, defaults.gid_index),
+        memory_gib=_or_default(entry.memory_gib, defaults.memory_gib),
+        unified_memory=_or_default(entry.unified_memory, defaults.unified_memory),
+        engine_overhead_gib=_or_default(entry.engine_overhead_gib, defaults.engine_overhead_gib),
+        disk_gb_per_s=_or_default(entry.disk_gb_per_s, defaults.disk_gb_per_s),
     )
     return node, problems
 
 
-def _duplicates(values: list[str], what: str, where: Callable[[KeyPath], str]) -> list[str]:
-    """`values[i]` is node i's; each value used again names the node that has it first."""
+def _duplicates(
+    values: list[str],
+    what: str,
+    where: Callable[[KeyPath], str],
+    *,
+    ignore_case: bool = False,
+) -> list[str]:
+    """`values[i]` is node i's; each value used again names the node that has it first.
+
+    `ignore_case`: values that differ only in case are the same (DNS names).
+    """
     problems = []
     first: dict[str, int] = {}
     for index, value in enumerate(values):
-        if value in first:
-            earlier = first[value]
+        same = value.lower() if ignore_case else value
+        if same in first:
+            earlier = first[same]
+            written = values[earlier]
+            spelt = "" if written == value else f" as {written} (host names ignore case)"
             problems.append(
                 f"{where(('nodes', index))}: {what} {value} is already used by nodes[{earlier}] "
-                f"({where(('nodes', earlier))}); each node needs its own"
+                f"({where(('nodes', earlier))}){spelt}; each node needs its own"
             )
         else:
-            first[value] = index
+            first[same] = index
     return problems
 
 
@@ -348,8 +481,11 @@ def _setting_problems(
     for profile, env in {} if "nccl" in broken else inventory.nccl.items():
         for variable in env:
             at = where(("nccl", profile, variable))
-            if not _ENV_NAME.match(variable):
-                problems.append(f"{at}: nccl.{profile}: {variable!r} is not an env variable name")
+            if not _ENV_NAME.fullmatch(variable):
+                problems.append(
+                    f"{at}: nccl.{profile}: {variable!r} is not an env variable name: letters, "
+                    "digits and _, not first a digit; rename it"
+                )
             elif variable in _PER_NODE_ENV:
                 problems.append(
                     f"{at}: nccl.{profile}.{variable} is set per node from the node's fabric "
@@ -370,7 +506,10 @@ def _node_problems(
     if "ssh" in broken or "node_defaults" in broken:
         return [], problems
     problems += _duplicates(
-        [f"{e.host}:{e.port or inventory.ssh.port}" for e in entries], "SSH host:port", where
+        [f"{e.host}:{_or_default(e.port, inventory.ssh.port)}" for e in entries],
+        "SSH host:port",
+        where,
+        ignore_case=True,
     )
     nodes = []
     for index in range(len(entries)):
@@ -401,7 +540,7 @@ def cluster_from_document(document: TomlDocument) -> Cluster:
     if problems:
         raise InventoryError("\n".join(document.in_file_order(problems)))
     return Cluster(
-        name=inventory.name or document.path.stem,
+        name=_or_default(inventory.name, document.path.stem),
         path=str(document.path),
         known_hosts=_resolve_file(inventory.known_hosts, base),
         nodes=nodes,

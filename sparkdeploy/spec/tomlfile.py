@@ -26,6 +26,10 @@ _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _TOMLLIB_POSITION = re.compile(
     r"^(?P<what>.*) \((?:at line (?P<line>\d+), column (?P<col>\d+)|at end of document)\)$", re.S
 )
+# No key takes more than a few levels; tomllib recurses once per level and would overflow
+# Python's stack (a RecursionError) on a few hundred, so deeper text is refused before it parses.
+MAX_NESTING = 100
+_NESTING_CHARS = re.compile(r"[\"'#\[\]{}]")
 
 
 def format_key(path: Sequence[str | int]) -> str:
@@ -93,6 +97,7 @@ class _Scanner:
         self.line_starts = [0] + [m.end() for m in re.finditer("\n", text)]
         self.lines: dict[KeyPath, int] = {}
         self.value_lines: dict[KeyPath, int] = {}
+        self.table_lines: dict[KeyPath, int] = {}
         self.table_counts: dict[KeyPath, int] = {}
         self.table: KeyPath = ()
 
@@ -173,6 +178,14 @@ class _Scanner:
             if resolved in self.table_counts and not last:
                 resolved += (self.table_counts[resolved] - 1,)
         line = self.line(start)
+        if not array and resolved in self.table_lines:
+            raise _ScanProblem(
+                start,
+                f"table [{format_key(parts)}] is declared twice (first on line "
+                f"{self.table_lines[resolved]}): declare it once, with the keys of both",
+            )
+        if not array:
+            self.table_lines[resolved] = line
         self.lines.setdefault(resolved, line)
         if array:
             element = self.table_counts.get(resolved, 0)
@@ -241,6 +254,31 @@ class _Scanner:
         raise _ScanProblem(
             start, f"the {kind} opened on line {{line}} is never closed: add {closing}"
         )
+
+    def deepest_nesting(self) -> tuple[int, int]:
+        """How many levels arrays and inline tables nest at most, and the offset of the outermost
+        bracket of the value that nests that deep. Iterative, unlike a parser; stops at a string
+        that is never closed (the parse reports that)."""
+        depth = deepest = opened = deepest_opened = 0
+        with contextlib.suppress(_ScanProblem):
+            while match := _NESTING_CHARS.search(self.text, self.pos):
+                self.pos = match.start()
+                char = match.group()
+                if char in "\"'":
+                    self.string()
+                    continue
+                if char == "#":
+                    self.skip_blank(newlines=False)
+                    continue
+                if char in "[{":
+                    opened = self.pos if depth == 0 else opened
+                    depth += 1
+                    if depth > deepest:
+                        deepest, deepest_opened = depth, opened
+                else:
+                    depth = max(depth - 1, 0)
+                self.pos += 1
+        return deepest, deepest_opened
 
     def value(self, path: KeyPath) -> None:
         char = self.peek()
@@ -322,6 +360,12 @@ _TOMLLIB_WORDS = {
     "spaces or dots in it must be quoted)",
     "Expected newline or end of document after a statement": "unexpected text after the value: "
     "one `key = value` per line (a missing quote or comma?)",
+    "Invalid initial character for a key part": "expected a key: a key is bare (letters, digits, "
+    "_ and -) or quoted, and an inline table takes no comma after its last value (`{ a = 1 }`)",
+    "Unclosed inline table": "expected `,` or `}` in the inline table: separate its values with "
+    "commas, all on one line (`{ a = 1, b = 2 }`)",
+    "Unescaped '\\' in a string": 'a backslash in a "string" starts an escape (\\n, \\t, \\", '
+    "\\\\, \\uXXXX): write \\\\ for a backslash itself, or use a 'literal string' (single quotes)",
 }
 
 
@@ -354,6 +398,11 @@ def load_toml(path: Path, error_class: type[SparkDeployError]) -> TomlDocument:
     try:
         # utf-8-sig: a byte order mark (some Windows editors write one) is dropped, not an error.
         text = path.read_text(encoding="utf-8-sig")
+    except IsADirectoryError:
+        raise error_class(
+            f"{path}: is a directory, not a TOML file: name the file (a recipe is "
+            "recipes/<name>/recipe.toml, an inventory clusters/<name>.toml)"
+        ) from None
     except OSError as exc:
         raise error_class(f"{path}: cannot read: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
@@ -361,6 +410,15 @@ def load_toml(path: Path, error_class: type[SparkDeployError]) -> TomlDocument:
         raise error_class(
             f"{path}:{line}: not UTF-8 text (byte {exc.start}); save it as UTF-8{_STOPPED}"
         ) from None
+    nesting = _Scanner(text)
+    deepest, opened = nesting.deepest_nesting()
+    if deepest > MAX_NESTING:
+        line, col = nesting.line_col(opened)
+        raise error_class(
+            f"{path}:{line}:{col}: arrays or inline tables nested {deepest} levels deep: no key "
+            f"takes more than a few (at most {MAX_NESTING} are read); write the value as its "
+            f"key's documentation shows{_STOPPED}"
+        )
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
