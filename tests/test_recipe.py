@@ -135,7 +135,7 @@ def test_malformed_recipe_message(name: str) -> None:
 ENV = 'OMP_NUM_THREADS = "2"\n'
 IMAGE = 'docker_image = "lab/vllm-standin:latest"'
 ARGS = '"--max-model-len", "4096",'
-MOVE_UP = "because it follows [env] (line 14); move it above the first [table]"
+MOVE_UP = "because it follows that table (line 14); move it above the first [table]"
 IMAGE_FORM = "`[registry[:port]/]name[:tag][@sha256:digest]` with a lowercase name"
 ENV_NAME_RULE = "is not an environment variable's name (letters, digits and _, not first a digit)"
 REVISION_FIX = "a revision names a file under the NAS cache's refs/; give a branch, tag or commit"
@@ -146,7 +146,7 @@ EDITED_RECIPES: dict[str, tuple[list[Edit], list[list[str]]]] = {
         [(ENV, ENV + 'model_revision = "abc"\n')],
         [
             [
-                ":16: env.model_revision: a top-level key of the recipe, read as an env variable",
+                ":16: env.model_revision: a top-level key of the recipe, read as an entry of [env]",
                 MOVE_UP,
             ]
         ],
@@ -158,6 +158,24 @@ EDITED_RECIPES: dict[str, tuple[list[Edit], list[list[str]]]] = {
     "secret-env-after-env": (
         [(ENV, ENV + 'secret_env = ["OMP_NUM_THREADS"]\n')],
         [[":16: env.secret_env: a top-level key of the recipe", MOVE_UP]],
+    ),
+    "smoke-key-after-chat-template-kwargs": (
+        [
+            (
+                "[smoke]\nmax_tokens = 8\n",
+                "[smoke.chat_template_kwargs]\nenable_thinking = false\nmax_tokens = 8\n"
+                'model_revision = "abc"\n',
+            )
+        ],
+        [
+            [
+                ":34: smoke.chat_template_kwargs.max_tokens: a key of the recipe or of [smoke], "
+                "read as an entry of [smoke.chat_template_kwargs] because it follows that table "
+                "(line 32)",
+                "a [smoke] key above this table's header",
+            ],
+            [":35: smoke.chat_template_kwargs.model_revision:", "above the first [table]"],
+        ],
     ),
     "image-an-option": (
         [(IMAGE, 'docker_image = "--privileged"')],

@@ -26,7 +26,13 @@ from sparkdeploy.secrecy import (
 )
 from sparkdeploy.spec.memory import read_memory_flags
 from sparkdeploy.spec.quality import ENV_NAME_RULE, TOOL_CHOICE_FLAGS, is_env_name, quality_problems
-from sparkdeploy.spec.recipe import RAY_REFUSAL, READINESS_ENV, ComposedLocalFile, Recipe
+from sparkdeploy.spec.recipe import (
+    RAY_REFUSAL,
+    READINESS_ENV,
+    ComposedLocalFile,
+    Recipe,
+    SmokeOptions,
+)
 from sparkdeploy.spec.toml_validation import validate_document
 from sparkdeploy.spec.tomlfile import KeyPath, TomlDocument, format_key, load_toml
 from sparkdeploy.vllm.args import VllmArgs, is_flag, parse_args
@@ -435,22 +441,53 @@ def _env_problems(recipe: Recipe, where: Where) -> list[str]:
     return problems
 
 
-def _without_top_level_keys_in_env(document: TomlDocument) -> tuple[TomlDocument, list[str]]:
-    """The document without the top-level keys its [env] holds, and a problem for each: to TOML
-    a key written below [env] is an env variable, so its own setting (a revision pin) would be
-    lost without a word."""
-    env = document.data.get("env")
-    if not isinstance(env, dict):
-        return document, []
-    misplaced = [name for name in env if name in Recipe.model_fields]
-    header = document.lines.get(("env",))
-    problems = [
-        f"{document.where(('env', name))}: env.{name}: a top-level key of the recipe, read as an "
-        f"env variable because it follows [env] (line {header or document.line_of(('env', name))});"
-        " move it above the first [table]"
-        for name in misplaced
-    ]
-    data = {**document.data, "env": {name: env[name] for name in env if name not in misplaced}}
+# Tables whose keys are free (names of env variables, of chat template kwargs): to TOML, a key
+# written below one of them belongs to it, so a recipe key put there by mistake would be taken as
+# one of its entries, and its own setting (a revision pin, say) lost without a word. Each with
+# the keys that must not be read so, and where they belong.
+_FREE_FORM_TABLES: dict[tuple[str, ...], tuple[frozenset[str], str, str]] = {
+    ("env",): (
+        frozenset(Recipe.model_fields),
+        "a top-level key of the recipe",
+        "move it above the first [table]",
+    ),
+    ("smoke", "chat_template_kwargs"): (
+        frozenset(Recipe.model_fields) | frozenset(SmokeOptions.model_fields),
+        "a key of the recipe or of [smoke]",
+        "move a top-level key above the first [table], a [smoke] key above this table's header",
+    ),
+}
+
+
+def _without_misplaced_keys(document: TomlDocument) -> tuple[TomlDocument, list[str]]:
+    """The document without the recipe's own keys that its free-form tables hold, and a problem
+    for each, naming the table that took it and where to move it."""
+    data = dict(document.data)
+    problems = []
+    for table_path, (own_keys, what, fix) in _FREE_FORM_TABLES.items():
+        parent: dict[str, Any] = data
+        for part in table_path[:-1]:
+            found = parent.get(part)
+            if not isinstance(found, dict):
+                break
+            # Copied on the way down: the document's own data stays as read.
+            copied = dict(found)
+            parent[part] = copied
+            parent = copied
+        else:
+            table = parent.get(table_path[-1])
+            if not isinstance(table, dict):
+                continue
+            misplaced = [name for name in table if name in own_keys]
+            header = format_key(table_path)
+            for name in misplaced:
+                key = (*table_path, name)
+                header_line = document.lines.get(table_path) or document.line_of(key)
+                problems.append(
+                    f"{document.where(key)}: {format_key(key)}: {what}, read as an entry of "
+                    f"[{header}] because it follows that table (line {header_line}); {fix}"
+                )
+            parent[table_path[-1]] = {k: v for k, v in table.items() if k not in misplaced}
     return dataclasses.replace(document, data=data), problems
 
 
@@ -487,7 +524,7 @@ def load_recipe(path: Path) -> Recipe:
             "move it to clusters/<name>.toml (sparkdeploy validate checks files in clusters/ as "
             "inventories); nothing else in it was checked"
         )
-    checked, misplaced_problems = _without_top_level_keys_in_env(document)
+    checked, misplaced_problems = _without_misplaced_keys(document)
     validated = validate_document(checked, Recipe, secret_at=_secret_value_at(document.data))
     recipe = validated.value
     problems = misplaced_problems + validated.problems
