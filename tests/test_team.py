@@ -336,9 +336,14 @@ def test_two_deploys_racing_for_a_node_run_one_after_the_other(team: TeamControl
         (first_nodes, second_nodes) if winner == runs[0] else (second_nodes, first_nodes)
     )
     winner_id = load_plan(RECIPE, inventory(team), winner_nodes).deployment_id
-    assert states([waiter])[waiter] == "RUNNING/Running"
-    # The waiter may have started only as the winner ended (its worker and process come up on
-    # shared cores): what it waits for shows in its logs soon after.
+    # The waiter may start only as the winner ends (its worker and process come up on shared
+    # cores; CI once found it still Submitting then): it runs soon after, without ending, and
+    # what it waits for shows in its logs.
+    running_by = time.monotonic() + 60
+    while (waiting := states([waiter]))[waiter] != "RUNNING/Running":
+        assert waiting[waiter].split("/")[0] not in FINAL, explained(waiting)
+        assert time.monotonic() < running_by, explained(waiting)
+        time.sleep(1)
     assert winner_id in logs_once_they_say(waiter, f"waiting for nodes of cluster {TEAM_LAB}")
 
     tear_down(team, [winner_nodes])
